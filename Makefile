@@ -1,0 +1,22 @@
+# The two entry points of the README. Each creates the virtual environment when it is missing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CONFIG ?= configs/tiny_cpu.yaml
+
+.PHONY: run test bench
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+run: $(VENV)/.installed
+	$(PY) -m train --config $(CONFIG) $(ARGS)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest $(ARGS)
+
+bench: $(VENV)/.installed
+	$(PY) -m benchmarks.planners
+	$(PY) -m benchmarks.cluster

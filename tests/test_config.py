@@ -1,0 +1,80 @@
+import pathlib
+
+import pytest
+import yaml
+
+from jtopoep.config import ConfigError, RunConfig, load_config
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def write(tmp_path, data) -> pathlib.Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+BASE = {"topology": {"preset": "cpu-2x4"}, "model": {"preset": "tiny"}, "moe": {"planner": "topoep"}}
+
+
+def test_every_run_preset_loads():
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        config = load_config(path)
+        assert isinstance(config, RunConfig)
+
+
+def test_every_model_preset_loads():
+    from jtopoep.config import ModelConfig, section_from_dict
+    for path in sorted((ROOT / "configs" / "models").glob("*.yaml")):
+        model = section_from_dict("model", ModelConfig, yaml.safe_load(path.read_text()))
+        assert model.top_k <= model.num_experts
+
+
+def test_presets_and_overrides(tmp_path):
+    config = load_config(write(tmp_path, BASE), ["moe.planner=taot", "moe.guest_slots=1", "model.top_k=4",
+                                                 "topology.inter_bw=23.5e9"])
+    assert config.moe.planner == "taot" and config.moe.guest_slots == 1
+    assert config.model.top_k == 4 and config.model.d_model == 64
+    assert config.topology.num_nodes == 2 and config.topology.inter_bw == 23.5e9
+    assert config.topology.to_topology().link_cost()[0, 4] == pytest.approx(155e9 / 23.5e9)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("moe.plannr=taot", r"unknown key moe\.plannr; allowed keys of moe: \[.*'planner'"),
+    ("moe.planner=magic", r"moe\.planner = 'magic' is not allowed: expected one of \['none', 'eplb'"),
+    ("moe.guest_slots=two", r"moe\.guest_slots = 'two' has type str: expected int"),
+    ("moe.guest_slots=-1", r"moe\.guest_slots = -1 is not allowed: expected a value >= 0"),
+    ("moe.hierarchical=3", r"moe\.hierarchical = 3 has type int: expected bool"),
+    ("model.top_k=17", r"model\.top_k = 17 is not allowed: expected at most model\.num_experts = 16"),
+    ("model.num_experts=12", r"model\.num_experts = 12 is not allowed: expected a multiple of .* = 8"),
+    ("model.d_model=0", r"model\.d_model = 0 is not allowed: expected a value > 0"),
+    ("train.batch_size=12", r"train\.batch_size = 12 is not allowed: expected a multiple of the 8 devices"),
+    ("train.learning_rate=true", r"train\.learning_rate = True has type bool: expected float"),
+    ("topology.mfu=2.0", r"topology\.mfu = 2\.0 is not allowed: expected a value in \(0, 1\]"),
+    ("topology.preset=tpu-9x9", r"topology\.preset = 'tpu-9x9' is not allowed: expected one of \["),
+    ("data.source=path", r"data\.path = None is not allowed"),
+    ("optimizer.lr=1", r"override key 'optimizer\.lr' must be section\.key"),
+    ("moe.planner", r"must look like section\.key=value"),
+    ("moe.planner=none", r"moe\.guest_slots = 2 is not allowed: expected 0 when moe\.planner = 'none'"),
+])
+def test_bad_config_names_key(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, BASE), [override])
+
+
+def test_unknown_section_and_missing_topology(tmp_path):
+    with pytest.raises(ConfigError, match="unknown section 'optim'"):
+        load_config(write(tmp_path, {**BASE, "optim": {}}))
+    with pytest.raises(ConfigError, match="section 'topology' is required"):
+        load_config(write(tmp_path, {"model": {"preset": "tiny"}}))
+
+
+def test_mesh_larger_than_device_count(tmp_path):
+    with pytest.raises(ConfigError, match=r"topology = 32 is not allowed: expected a mesh of at most the 8"):
+        load_config(write(tmp_path, {**BASE, "topology": {"preset": "h800-4x8"}}),
+                    ["model.num_experts=32", "train.batch_size=32"], num_devices=8)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("configs/nope.yaml")
