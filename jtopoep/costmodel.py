@@ -1,0 +1,134 @@
+"""Analytic forward+backward time of one MoE layer under a plan on a topology.
+
+  time = GEMM (slowest rank) + token exchange (4 exchanges: dispatch and combine, forward and backward)
+       + guest-weight transfer not hidden behind home-slot GEMMs + planning
+
+Constants and their sources:
+- SwiGLU expert: 3 matrices of D x F; 2 FLOPs per multiply-add, so 6 D F FLOPs per (token, expert)
+  pair forward; backward computes input and weight gradients, twice the forward: 18 D F in all.
+- A pair moves D elements four times per layer: dispatch and combine forward, and their transposes
+  in the backward pass.
+- A guest copy receives 3 D F weight elements before its forward GEMM and sends as many gradient
+  elements home after its backward GEMM (gradients kept in the weight dtype, as Megatron-Core does
+  for bf16 expert-parallel gradient reduction).
+- Links: the scale-up and scale-out fabrics are separate hardware and DeepEP drives them concurrently,
+  so a rank's exchange time is the slower of its NVLink and RDMA transfers, sending and receiving in
+  full duplex; each exchange pays the latency of the slowest link class it uses.
+- Compute runs at topology.flops x topology.mfu.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jtopoep.plan import Plan
+from jtopoep.topology import Topology
+
+EXCHANGES_PER_LAYER = 4  # dispatch + combine, forward + backward
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertDims:
+    d_model: int  # D
+    expert_hidden: int  # F
+    bytes_per_element: int = 2  # bf16
+
+    @classmethod
+    def from_model(cls, model) -> "ExpertDims":
+        return cls(model.d_model, model.expert_hidden, model.param_bytes)
+
+    @property
+    def pair_flops(self) -> float:
+        """Forward + backward FLOPs of one (token, expert) pair through a SwiGLU expert."""
+        return 18.0 * self.d_model * self.expert_hidden
+
+    @property
+    def pair_bytes(self) -> float:
+        """Bytes of one pair's activation in one exchange."""
+        return float(self.d_model * self.bytes_per_element)
+
+    @property
+    def expert_bytes(self) -> float:
+        """Bytes of one expert's weights (gate, up, down)."""
+        return 3.0 * self.d_model * self.expert_hidden * self.bytes_per_element
+
+
+def copy_break_even_pairs(topology: Topology, dims: ExpertDims) -> tuple[float, float]:
+    """Pairs a guest copy must take off its home rank for the GEMM time saved to equal the time of
+    shipping its weights out and its gradients back, on an (intra-node, inter-node) link."""
+    per_pair = dims.pair_flops / (topology.flops * topology.mfu)
+    moved = 2.0 * dims.expert_bytes
+    return moved / topology.intra_bw / per_pair, moved / topology.inter_bw / per_pair
+
+
+def link_class(topology: Topology) -> np.ndarray:
+    """0 same rank, 1 same node, 2 across nodes, as an [R, R] array."""
+    node = np.arange(topology.num_ranks) // topology.gpus_per_node
+    same_node = node[:, None] == node[None, :]
+    cls = np.where(same_node, 1, 2)
+    np.fill_diagonal(cls, 0)
+    return cls
+
+
+def home_rank_of_slots(plan: Plan, placement: np.ndarray) -> np.ndarray:
+    """[R, S] home rank of the expert in each slot (-1 for empty slots)."""
+    num_ranks = placement.shape[0]
+    home_of_expert = np.repeat(np.arange(num_ranks), placement.shape[1])[np.argsort(placement.ravel())]
+    slot_expert = np.asarray(plan.slot_expert)
+    return np.where(slot_expert >= 0, home_of_expert[np.maximum(slot_expert, 0)], -1)
+
+
+def guest_transfers(plan: Plan, placement: np.ndarray) -> np.ndarray:
+    """[R(home), R(guest host)] number of guest copies shipped from each home rank to each rank."""
+    num_ranks, home = placement.shape
+    home_rank = home_rank_of_slots(plan, placement)[:, home:]
+    moves = np.zeros((num_ranks, num_ranks), np.int64)
+    for d, h in zip(*np.nonzero(home_rank >= 0)):
+        moves[home_rank[d, h], d] += 1
+    return moves
+
+
+def layer_time(plan: Plan, topology: Topology, dims: ExpertDims, placement,
+               planning_s: float = 0.0) -> dict[str, float]:
+    """Seconds of one MoE layer's forward+backward under the plan, by term, and their sum.
+
+    placement: [R, H] home expert of each home slot (the plan's first H slot columns)."""
+    route = np.asarray(plan.route).astype(np.float64)
+    num_ranks = route.shape[0]
+    placement = np.asarray(placement)
+    home = placement.shape[1]
+    rate = topology.flops * topology.mfu
+    pair_fwd_s = dims.pair_flops / 3.0 / rate
+
+    loads = route.sum(axis=(0, 2))
+    gemm = float(loads.max() * dims.pair_flops / rate)
+
+    cls = link_class(topology)
+    pairs = route.sum(axis=2)  # [s, d]
+    bw = {1: topology.intra_bw, 2: topology.inter_bw}
+    per_rank = np.zeros(num_ranks)
+    for c in (1, 2):
+        sent = np.where(cls == c, pairs, 0.0)
+        t = np.maximum(sent.sum(1), sent.sum(0)) * dims.pair_bytes / bw[c]
+        per_rank = np.maximum(per_rank, t)
+    uses_inter = bool((np.where(cls == 2, pairs, 0) > 0).any())
+    uses_intra = bool((np.where(cls == 1, pairs, 0) > 0).any())
+    latency = topology.inter_latency if uses_inter else (topology.intra_latency if uses_intra else 0.0)
+    exchange = EXCHANGES_PER_LAYER * (float(per_rank.max()) + latency)
+
+    moves = guest_transfers(plan, placement).astype(np.float64)
+    weight_in = np.zeros(num_ranks)
+    for c in (1, 2):
+        m = np.where(cls == c, moves, 0.0) * dims.expert_bytes / bw[c]
+        # Home ranks send (rows), guest hosts receive (columns); full duplex: the slower side.
+        weight_in = np.maximum(weight_in, np.maximum(m.sum(0), m.sum(1)))
+    home_fwd = route[:, :, :home].sum(axis=(0, 2)) * pair_fwd_s
+    exposed = np.maximum(weight_in - home_fwd, 0.0)  # weights out, overlapped with home forward GEMMs
+    exposed_grad = np.maximum(weight_in - 2.0 * home_fwd, 0.0)  # gradients back, behind home backward
+    weights = float(exposed.max() + exposed_grad.max())
+
+    total = gemm + exchange + weights + planning_s
+    return {"gemm_s": gemm, "exchange_s": exchange, "weights_s": weights, "planning_s": planning_s,
+            "total_s": total}

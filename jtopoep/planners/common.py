@@ -1,0 +1,199 @@
+"""Pieces every planner shares: loads and targets, spill, quotas, and locality-tiered token routing.
+
+Every function here is integer-only and written against an array namespace `xp` (jax.numpy inside
+jit, numpy for the host planner), so the device and host versions of a planner agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jtopoep.costmodel import ExpertDims, copy_break_even_pairs
+from jtopoep.plan import Plan
+from jtopoep.topology import Topology
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannerBase:
+    """Static settings shared by every planner. Subclasses implement `_plan(counts, placement)`.
+
+    min_gain: a copy must save at least min_gain x the time of shipping its weights out and its
+    gradients back (copy_break_even_pairs); 0 turns the check off. It needs `dims`.
+    """
+
+    topology: Topology
+    num_experts: int
+    guest_slots: int
+    min_gain: float = 0.0
+    dims: ExpertDims | None = None
+
+    def __post_init__(self):
+        ranks = self.topology.num_ranks
+        if self.num_experts < 1 or self.num_experts % ranks:
+            raise ValueError(f"num_experts = {self.num_experts} must be a positive multiple of the "
+                             f"{ranks} ranks of the topology")
+        if self.guest_slots < 0:
+            raise ValueError(f"guest_slots = {self.guest_slots} must be >= 0")
+        if self.min_gain < 0:
+            raise ValueError(f"min_gain = {self.min_gain} must be >= 0")
+        if self.min_gain > 0 and self.dims is None:
+            raise ValueError("min_gain > 0 needs dims (ExpertDims) to price a copy's weight transfer")
+
+    @property
+    def num_ranks(self) -> int:
+        return self.topology.num_ranks
+
+    @property
+    def home_slots(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    def gain_thresholds(self) -> tuple[float, float]:
+        """Least pairs a copy must take over an (intra-node, inter-node) link to be worth making."""
+        if self.min_gain == 0:
+            return 0.0, 0.0
+        intra, inter = copy_break_even_pairs(self.topology, self.dims)
+        return self.min_gain * intra, self.min_gain * inter
+
+    def __call__(self, counts, placement=None) -> Plan:
+        num_ranks, num_experts = counts.shape
+        if (num_ranks, num_experts) != (self.num_ranks, self.num_experts):
+            raise ValueError(f"counts has shape {counts.shape}; this planner expects "
+                             f"({self.num_ranks}, {self.num_experts})")
+        if placement is None:
+            placement = jnp.arange(num_experts, dtype=jnp.int32).reshape(num_ranks, self.home_slots)
+        return self._plan(jnp.asarray(counts, jnp.int32), jnp.asarray(placement, jnp.int32))
+
+    def _plan(self, counts, placement) -> Plan:
+        raise NotImplementedError
+
+
+def carry_like(state, ref):
+    """The loop state with the same device-variance as `ref`.
+
+    Inside shard_map, counts all-gathered over the mesh are typed as varying over its axes, and a
+    loop carry must keep one type: constants in the initial state are made to vary the same way by
+    adding a zero derived from `ref`."""
+    zero = ref.reshape(-1)[:1].sum() * 0
+    return jax.tree.map(lambda x: x | (zero != 0) if x.dtype == bool else x + zero.astype(x.dtype), state)
+
+
+def home_rank_of_experts(placement, xp=jnp):
+    """[E] home rank of each expert under the placement."""
+    num_ranks, home = placement.shape
+    ranks = xp.arange(num_ranks, dtype=xp.int32)[:, None, None]
+    return (one_hot(placement, num_ranks * home, xp) * ranks).sum((0, 1))
+
+
+def one_hot(ids, n, xp=jnp):
+    """int32 one-hot of ids along a new last axis; id -1 gives an all-zero row."""
+    return (ids[..., None] == xp.arange(n, dtype=xp.int32)).astype(xp.int32)
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+def spill_per_expert(loads, placement, target, xp=jnp):
+    """[E] pairs above target on each rank, attributed to its home experts hottest first."""
+    home_loads = loads[placement]  # [R, H]
+    order = xp.argsort(-home_loads, axis=1, stable=True)
+    sorted_loads = xp.take_along_axis(home_loads, order, axis=1)
+    excess = xp.maximum(home_loads.sum(1) - target, 0)[:, None]
+    before = xp.cumsum(sorted_loads, axis=1) - sorted_loads
+    spill_sorted = xp.minimum(sorted_loads, xp.maximum(excess - before, 0))
+    experts_sorted = xp.take_along_axis(placement, order, axis=1)
+    # Each expert has exactly one home slot, so this scatter writes every index once.
+    return (one_hot(experts_sorted, loads.shape[0], xp) * spill_sorted[..., None]).sum((0, 1))
+
+
+def slot_capacity(slot_expert, quota, num_experts, xp=jnp):
+    """[E, R] pairs the copy of expert e on rank d takes (0 where d holds no copy of e)."""
+    return (one_hot(slot_expert, num_experts, xp) * quota[..., None]).sum(1).T
+
+
+def even_quotas(slot_expert, loads, xp=jnp):
+    """[R, S] split each expert's load evenly over its copies; the first copies in (d, j) order take
+    one pair more when the load does not divide."""
+    num_ranks, num_slots = slot_expert.shape
+    flat = slot_expert.reshape(-1)
+    hot = one_hot(flat, loads.shape[0], xp)  # [R*S, E]
+    copies = hot.sum(0)  # [E]
+    index_in_expert = ((xp.cumsum(hot, axis=0) - hot) * hot).sum(1)
+    safe = xp.maximum(flat, 0)
+    n = xp.maximum(copies[safe], 1)
+    quota = loads[safe] // n + (index_in_expert < loads[safe] % n).astype(xp.int32)
+    return xp.where(flat >= 0, quota, 0).reshape(num_ranks, num_slots).astype(xp.int32)
+
+
+def interval_overlap(supply, capacity, xp=jnp):
+    """[..., n, m] greedy transport: lay supplies and capacities end to end on one line (prefix sums)
+    and send along the overlap of their intervals. Moves min(sum supply, sum capacity)."""
+    s_hi = xp.cumsum(supply, axis=-1)
+    c_hi = xp.cumsum(capacity, axis=-1)
+    s_lo = s_hi - supply
+    c_lo = c_hi - capacity
+    hi = xp.minimum(s_hi[..., :, None], c_hi[..., None, :])
+    lo = xp.maximum(s_lo[..., :, None], c_lo[..., None, :])
+    return xp.maximum(hi - lo, 0)
+
+
+def route_to_copies(counts, capacity, gpus_per_node: int, tiered: bool = True, xp=jnp):
+    """[E, R(s), R(d)] pairs of expert e from source s to the copy on rank d.
+
+    With tiered=True a source fills copies on its own rank first, then on its own node, then anywhere
+    (each tier an interval overlap of what is left); tiered=False is the topology-oblivious split.
+    Requires capacity.sum(1) == counts.sum(0): every pair lands, nothing is invented.
+    """
+    num_ranks, num_experts = counts.shape
+    supply = counts.T.astype(xp.int32)  # [E, R]
+    capacity = capacity.astype(xp.int32)
+    if not tiered:
+        return interval_overlap(supply, capacity, xp)
+    num_nodes = num_ranks // gpus_per_node
+    eye_r = xp.eye(num_ranks, dtype=xp.int32)
+    local = xp.minimum(supply, capacity)
+    supply = supply - local
+    capacity = capacity - local
+    in_node = interval_overlap(supply.reshape(num_experts, num_nodes, gpus_per_node),
+                               capacity.reshape(num_experts, num_nodes, gpus_per_node), xp)  # [E,N,G,G]
+    supply = supply - in_node.sum(-1).reshape(num_experts, num_ranks)
+    capacity = capacity - in_node.sum(-2).reshape(num_experts, num_ranks)
+    anywhere = interval_overlap(supply, capacity, xp)
+    eye_n = xp.eye(num_nodes, dtype=xp.int32)
+    block = (in_node[:, :, :, None, :] * eye_n[None, :, None, :, None]).reshape(
+        num_experts, num_ranks, num_ranks)
+    return anywhere + block + local[:, :, None] * eye_r[None]
+
+
+def flow_to_route(flow, slot_expert, xp=jnp):
+    """[R(s), R(d), S] route from the per-expert flow [E, R(s), R(d)] and the slot contents."""
+    num_ranks = slot_expert.shape[0]
+    safe = xp.maximum(slot_expert, 0)
+    gathered = flow[safe, :, xp.arange(num_ranks)[:, None]]  # [d, j, s]
+    route = xp.transpose(gathered, (2, 0, 1))
+    return xp.where(slot_expert[None] >= 0, route, 0).astype(xp.int32)
+
+
+def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: bool, xp=jnp) -> Plan:
+    capacity = slot_capacity(slot_expert, quota, counts.shape[1], xp)
+    flow = route_to_copies(counts, capacity, gpus_per_node, tiered, xp)
+    return Plan(slot_expert.astype(xp.int32), flow_to_route(flow, slot_expert, xp))
+
+
+def guest_quotas_to_slots(placement, guest_expert, guest_quota, loads, xp=jnp):
+    """Slots [R, S] and quotas [R, S] from guest copies: each home slot keeps what its guests do not take."""
+    num_experts = loads.shape[0]
+    slot_expert = xp.concatenate([placement, guest_expert], axis=1).astype(xp.int32)
+    taken = (one_hot(guest_expert, num_experts, xp) * guest_quota[..., None]).sum((0, 1))  # [E]
+    home_quota = loads[placement] - taken[placement]
+    return slot_expert, xp.concatenate([home_quota, guest_quota], axis=1).astype(xp.int32)
+
+
+def node_link_class(topology: Topology, xp=jnp):
+    """[R, R] True where the two ranks are on different nodes."""
+    node = xp.arange(topology.num_ranks) // topology.gpus_per_node
+    return node[:, None] != node[None, :]

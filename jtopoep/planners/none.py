@@ -1,0 +1,14 @@
+"""The baseline: every pair goes to its expert's home slot, guest slots stay empty."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jtopoep.plan import Plan, home_plan
+from jtopoep.planners.common import PlannerBase
+
+
+@dataclasses.dataclass(frozen=True)
+class NonePlanner(PlannerBase):
+    def _plan(self, counts, placement) -> Plan:
+        return home_plan(counts, placement, self.guest_slots)

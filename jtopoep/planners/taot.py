@@ -1,0 +1,101 @@
+"""TAOT: overload and spare capacity as an entropic optimal-transport problem over link costs.
+
+1. supply a_r = max(W_r - mean W, 0) on overloaded ranks, demand b_r = max(mean W - W_r, 0) on light
+   ranks (equal totals); cost M = topology.link_cost();
+2. log-domain Sinkhorn (fixed epsilon and iteration count) gives a rank-to-rank flow hint F[h, l];
+3. integer replica matching, one guest copy per step (R * K steps): over every (spilling expert e with
+   home rank h, light rank l with a free slot not holding e) pair, take the best score
+       min(spill left of e, room left on l, F left on (h, l)) + 1e-3 * min(spill, room) / (1 + M[h, l])
+   (the flow hint first; where the hint is spent, the cheapest link for the largest move), move
+   min(spill, room) pairs there, and charge them against F[h, l]. Copies that fail the min-gain test
+   for their link class are never matched;
+4. home slots keep what their copies do not take; token routing is the locality-tiered routing
+   shared with topoep (planners.common.route_to_copies).
+
+Spill and room are integers against T* = ceil(sum L / R), so balance reaches the same bound as topoep;
+only the float hint and score differ, computed in the same order on every device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jtopoep.plan import Plan
+from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, guest_quotas_to_slots, home_rank_of_experts,
+                                     node_link_class, one_hot, plan_from_quotas, spill_per_expert)
+from jtopoep.planners.sinkhorn import sinkhorn
+
+
+@dataclasses.dataclass(frozen=True)
+class TaotPlanner(PlannerBase):
+    epsilon: float = 0.05  # Sinkhorn regularisation in link-cost units (1 = one NVLink byte)
+    iterations: int = 50  # Sinkhorn iterations (static)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.epsilon > 0:
+            raise ValueError(f"epsilon = {self.epsilon} must be > 0")
+        if not isinstance(self.iterations, int) or self.iterations < 1:
+            raise ValueError(f"iterations = {self.iterations!r} must be a positive int")
+
+    def flow_hint(self, counts, placement):
+        """Sinkhorn output for the rank-level overload problem of these counts."""
+        rank_loads = counts.sum(0)[placement].sum(1).astype(jnp.float32)
+        mean = rank_loads.mean()
+        supply = jnp.maximum(rank_loads - mean, 0.0)
+        demand = jnp.maximum(mean - rank_loads, 0.0)
+        return sinkhorn(supply, demand, jnp.asarray(self.topology.link_cost()), self.epsilon, self.iterations)
+
+    def _plan(self, counts, placement) -> Plan:
+        num_ranks, num_experts = counts.shape
+        slots = self.guest_slots
+        loads = counts.sum(0)
+        target = ceil_div(loads.sum(), num_ranks)
+        rank_loads = loads[placement].sum(1)
+        home = home_rank_of_experts(placement)  # [E]
+        cost = jnp.asarray(self.topology.link_cost())
+        thr_intra, thr_inter = self.gain_thresholds()
+        threshold = jnp.where(node_link_class(self.topology)[home], thr_inter, thr_intra)  # [E, R]
+        link_bonus = 1e-3 / (1.0 + cost[home])  # [E, R]
+        rank_ids = jnp.arange(num_ranks, dtype=jnp.int32)
+        expert_ids = jnp.arange(num_experts, dtype=jnp.int32)
+        slot_ids = jnp.arange(slots, dtype=jnp.int32)
+
+        def step(_, state):
+            spill, room, used, holds, guests, quotas, hint = state
+            amount = jnp.minimum(spill[:, None], room[None, :])  # [E, R]
+            feasible = ((amount > 0) & (used < slots)[None, :] & ~holds.T
+                        & (amount.astype(jnp.float32) >= threshold))
+            moved = amount.astype(jnp.float32)
+            score = jnp.minimum(moved, hint[home]) + moved * link_bonus
+            flat = jnp.argmax(jnp.where(feasible, score, -1.0).reshape(-1))
+            e, d = flat // num_ranks, flat % num_ranks
+            ok = feasible[e, d]
+            taken = jnp.where(ok, amount[e, d], 0)
+            is_e = expert_ids == e
+            at_d = ok & (rank_ids == d)
+            put = at_d[:, None] & (slot_ids[None, :] == used[d])
+            spill = spill - jnp.where(is_e, taken, 0)
+            room = room - jnp.where(at_d, taken, 0)
+            used = used + at_d.astype(jnp.int32)
+            holds = holds | (at_d[:, None] & is_e[None, :])
+            guests = jnp.where(put, e, guests)
+            quotas = jnp.where(put, taken, quotas)
+            hint = hint - jnp.where((rank_ids[:, None] == home[e]) & (rank_ids[None, :] == d),
+                                    taken.astype(jnp.float32), 0.0)
+            return spill, room, used, holds, guests, quotas, hint
+
+        state = (spill_per_expert(loads, placement, target),
+                 jnp.maximum(target - rank_loads, 0),
+                 jnp.zeros(num_ranks, jnp.int32),
+                 one_hot(placement, num_experts).sum(1) > 0,
+                 jnp.full((num_ranks, slots), -1, jnp.int32),
+                 jnp.zeros((num_ranks, slots), jnp.int32),
+                 self.flow_hint(counts, placement).plan)
+        state = carry_like(state, counts)
+        state = jax.lax.fori_loop(0, num_ranks * slots, step, state)
+        slot_expert, quota = guest_quotas_to_slots(placement, state[4], state[5], loads)
+        return plan_from_quotas(counts, slot_expert, quota, self.topology.gpus_per_node, True, jnp)

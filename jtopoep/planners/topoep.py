@@ -1,0 +1,131 @@
+"""TopoEP: deterministic, topology-aware placement of guest copies, then locality-tiered routing.
+
+1. loads L_e, home rank loads W_r, target T* = ceil(sum L / R);
+2. spill: each rank above T* sheds its excess, attributed to its home experts hottest first;
+3. one copy per step (R * K steps, a static trip count), for the expert with the most spill left:
+   inter-node choice: the node whose best free rank leaves the least spill unplaced (balance first),
+   then the largest inter-node bytes saved (that node's own pairs of the expert that stop crossing
+   the scale-out link, minus the weights and gradients that must cross it), first index on ties;
+   intra-node refinement: within that node, the rank with the most room below T* (least loaded) that
+   has a free guest slot and does not hold the expert yet;
+   the copy takes min(spill left, room), i.e. light ranks are water-filled up to T*. A copy must pass
+   the min-gain test for its link class, else the expert's remaining spill stays home;
+4. each home slot keeps what its copies do not take; sources feed copies on their own rank, then
+   their own node, then anywhere (planners.common.route_to_copies).
+
+Every quantity is an integer except the inter-node bytes score, a float32 computed identically
+everywhere; ties go to the lowest index, so every device computes the same plan bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jtopoep.costmodel import EXCHANGES_PER_LAYER
+from jtopoep.plan import Plan
+from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, guest_quotas_to_slots, home_rank_of_experts,
+                                     one_hot, plan_from_quotas, spill_per_expert)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopoEPPlanner(PlannerBase):
+    def _plan(self, counts, placement) -> Plan:
+        num_ranks, num_experts = counts.shape
+        nodes, gpus, slots = self.topology.num_nodes, self.gpus_per_node, self.guest_slots
+        loads = counts.sum(0)
+        target = ceil_div(loads.sum(), num_ranks)
+        rank_loads = loads[placement].sum(1)
+        home_node = home_rank_of_experts(placement) // gpus  # [E]
+        node_pairs = counts.reshape(nodes, gpus, num_experts).sum(1).astype(jnp.float32)  # [N, E]
+        thr_intra, thr_inter = self.gain_thresholds()
+        if self.dims is None:
+            pair_bytes, copy_bytes = 1.0, 0.0
+        else:
+            pair_bytes = EXCHANGES_PER_LAYER * self.dims.pair_bytes
+            copy_bytes = 2.0 * self.dims.expert_bytes
+        node_ids = jnp.arange(nodes, dtype=jnp.int32)
+        rank_ids = jnp.arange(num_ranks, dtype=jnp.int32)
+        expert_ids = jnp.arange(num_experts, dtype=jnp.int32)
+        slot_ids = jnp.arange(slots, dtype=jnp.int32)
+
+        remote = node_ids[:, None] != home_node[None, :]  # [N, E]
+        # Pairs of e from node n that cross the scale-out link to reach e's home node.
+        crossing0 = jnp.where(remote, node_pairs, 0.0)
+        never = jnp.int32(-1)
+
+        def step(state):
+            i, spill, left, room, used, holds, guests, quotas, crossing = state
+            free = (used < slots)[:, None] & ~holds & (room > 0)[:, None]  # [R, E]
+            room_free = jnp.where(free, room[:, None], never).reshape(nodes, gpus, num_experts)
+            best_room = room_free.max(1)  # [N, E]
+            spilling = spill.max() > 0
+            # Spill mode: the expert with the most spill left, to the node that saves the most
+            # inter-node bytes, then takes the most of it.
+            e_s = jnp.argmax(spill)
+            # Preferred: a copy on a remote node takes no more than that node's own crossing pairs
+            # of e, so everything it processes arrives over NVLink; the home node takes any amount.
+            # When no node qualifies that way, fall back to the node that absorbs the most.
+            full = jnp.minimum(spill[e_s], best_room[:, e_s])  # [N]
+            feed = jnp.where(remote[:, e_s], jnp.floor(crossing[:, e_s]).astype(jnp.int32), full)
+            threshold = jnp.where(remote[:, e_s], thr_inter, thr_intra)
+            local_fed = jnp.minimum(full, feed)
+            fed_ok = (local_fed > 0) & (local_fed >= threshold)
+            absorb = jnp.where(fed_ok.any(), local_fed, full)
+            usable = (absorb > 0) & (absorb >= threshold)
+            saved = (jnp.minimum(absorb.astype(jnp.float32), crossing[:, e_s]) * pair_bytes
+                     - jnp.where(remote[:, e_s], copy_bytes, 0.0))
+            key = jnp.where(usable, saved, -jnp.inf)
+            n_s = jnp.argmax(jnp.where(usable & (key == key.max()), absorb, never))
+            # Locality mode (no spill left): a copy on node n of expert e fed by n's own pairs that
+            # now cross, where the bytes saved exceed the weights and gradients shipped. It only
+            # lowers the home rank's load and fills room below T*, so balance is unchanged.
+            take = jnp.minimum(jnp.minimum(crossing, best_room.astype(jnp.float32)),
+                               left[None, :].astype(jnp.float32))
+            gain = jnp.where((best_room > 0) & remote, take * pair_bytes - copy_bytes, -jnp.inf)
+            flat = jnp.argmax(gain.reshape(-1))
+            n_l, e_l = flat // num_experts, flat % num_experts
+            e = jnp.where(spilling, e_s, e_l)
+            node = jnp.where(spilling, n_s, n_l)
+            ok = jnp.where(spilling, usable.any(), gain.reshape(-1)[flat] > 0)
+            d = node * gpus + jnp.argmax(room_free[node, :, e])
+            want = jnp.where(spilling, absorb[node], jnp.floor(take[node, e]).astype(jnp.int32))
+            amount = jnp.where(ok, jnp.minimum(want, room[d]), 0)
+            at_d = ok & (rank_ids == d)
+            put = at_d[:, None] & (slot_ids[None, :] == used[d])
+            is_e = expert_ids == e
+            # A spilling expert that cannot be placed anywhere keeps its spill at home.
+            spill = jnp.where(is_e & spilling, jnp.where(ok, spill - amount, 0), spill)
+            left = left - jnp.where(is_e, amount, 0)
+            room = room - jnp.where(at_d, amount, 0)
+            used = used + at_d.astype(jnp.int32)
+            holds = holds | (at_d[:, None] & is_e[None, :])
+            guests = jnp.where(put, e, guests)
+            quotas = jnp.where(put, amount, quotas)
+            served = (node_ids[:, None] == node) & is_e[None, :]
+            crossing = jnp.maximum(crossing - jnp.where(served, amount.astype(jnp.float32), 0.0), 0.0)
+            done = ~ok & ~spilling
+            return jnp.where(done, num_ranks * slots, i + 1), spill, left, room, used, holds, guests, \
+                quotas, crossing
+
+        state = (jnp.int32(0),
+                 spill_per_expert(loads, placement, target),
+                 loads,
+                 jnp.maximum(target - rank_loads, 0),
+                 jnp.zeros(num_ranks, jnp.int32),
+                 one_hot(placement, num_experts).sum(1) > 0,
+                 jnp.full((num_ranks, slots), -1, jnp.int32),
+                 jnp.zeros((num_ranks, slots), jnp.int32),
+                 crossing0)
+        state = carry_like(state, counts)
+        # At most one copy per step and R * K slots; the loop also ends once no move is left. The
+        # exit test reads only values every device holds identically, so all stop at the same step.
+        state = jax.lax.while_loop(lambda st: st[0] < num_ranks * slots, step, state)
+        slot_expert, quota = guest_quotas_to_slots(placement, state[6], state[7], loads)
+        return plan_from_quotas(counts, slot_expert, quota, gpus, True, jnp)
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.topology.gpus_per_node

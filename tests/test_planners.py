@@ -1,0 +1,112 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from jax.sharding import PartitionSpec as P
+
+from jtopoep.metrics import summarize
+from jtopoep.plan import check_plan
+from jtopoep.planners import eplb_host, get_planner
+from jtopoep.topology import make_mesh
+
+from planner_cases import DIMS, R, TOPO, adversarial, jitted, loads
+
+PLANNERS = ["none", "eplb", "topoep", "taot"]
+SETTINGS = [(E, K) for E in (R, 8 * R) for K in (0, 1, 2)]
+
+
+def imbalance(plan):
+    loads_ = np.asarray(plan.route).sum((0, 2))
+    return loads_.max() / max(loads_.mean(), 1e-9)
+
+
+@pytest.mark.parametrize("num_experts,guest_slots", SETTINGS)
+@settings(max_examples=200)
+@given(load=loads)
+def test_every_plan_is_valid(num_experts, guest_slots, load):
+    counts = adversarial(load[0], num_experts, load[1], load[2])
+    base = None
+    for name in PLANNERS:
+        k = 0 if name == "none" else guest_slots
+        plan = jitted(name, num_experts, k)[1](counts)
+        check_plan(plan, counts)
+        if name == "none":
+            base = imbalance(plan)
+        elif name == "topoep":
+            assert imbalance(plan) <= base + 1e-6, "topoep made the balance worse than no balancing"
+
+
+@settings(max_examples=40)
+@given(load=loads)
+def test_min_gain_plans_are_valid(load):
+    counts = adversarial(load[0], 8 * R, load[1], load[2])
+    for name in ("eplb", "topoep", "taot"):
+        check_plan(jitted(name, 8 * R, 2, 1.0)[1](counts), counts)
+
+
+@settings(max_examples=30)
+@given(load=loads)
+def test_eplb_host_matches_device(load):
+    counts = adversarial(load[0], 8 * R, load[1], load[2])
+    planner, device = jitted("eplb", 8 * R, 2)
+    host = eplb_host(planner, counts)
+    for a, b in zip(device(counts), host):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_unknown_planner_lists_names():
+    with pytest.raises(ValueError, match=r"unknown planner 'greedy'; known planners: \['eplb', 'none', 'taot', 'topoep'\]"):
+        get_planner("greedy", topology=TOPO, num_experts=16, guest_slots=1)
+
+
+def test_planners_are_hashable_and_static():
+    a = get_planner("topoep", topology=TOPO, num_experts=16, guest_slots=2)
+    b = get_planner("topoep", topology=TOPO, num_experts=16, guest_slots=2)
+    assert a == b and hash(a) == hash(b)
+    with pytest.raises(ValueError, match="multiple of the 8 ranks"):
+        get_planner("eplb", topology=TOPO, num_experts=12, guest_slots=1)
+    with pytest.raises(ValueError, match="needs dims"):
+        get_planner("topoep", topology=TOPO, num_experts=16, guest_slots=1, min_gain=1.0)
+
+
+def test_wrong_counts_shape():
+    planner = get_planner("topoep", topology=TOPO, num_experts=16, guest_slots=1)
+    with pytest.raises(ValueError, match=r"counts has shape \(8, 32\); this planner expects \(8, 16\)"):
+        planner(jnp.zeros((8, 32), jnp.int32))
+
+
+@pytest.mark.parametrize("name", PLANNERS)
+def test_plans_identical_on_every_device(devices, name):
+    """Each device plans from the all-gathered counts; the gathered plans are bitwise equal."""
+    mesh = make_mesh(TOPO)
+    planner = jitted(name, 8 * R, 0 if name == "none" else 2)[0]
+    local = jnp.asarray(adversarial("zipf", 8 * R, 300, 7))
+
+    def body(c):
+        counts = jax.lax.all_gather(c[0], ("node", "gpu"))
+        plan = planner(counts)
+        return jax.tree.map(lambda x: x[None], plan)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("node", "gpu")), out_specs=P(("node", "gpu"))))
+    first = fn(local)
+    second = fn(local)
+    for leaf, again in zip(first, second):
+        leaf = np.asarray(leaf)
+        assert all(np.array_equal(leaf[0], leaf[r]) for r in range(R))
+        assert np.array_equal(leaf, np.asarray(again))
+    check_plan(jax.tree.map(lambda x: x[0], first), np.asarray(local).reshape(R, -1))
+
+
+def test_topoep_reaches_lower_bound_on_a_hot_rank():
+    """A hand case: rank 0's two experts take 120 pairs each, the rest 8; T* = ceil(sum / R)."""
+    counts = np.ones((R, 16), np.int32)
+    counts[:, 0] = 15
+    counts[:, 1] = 15
+    planner = jitted("topoep", 16, 2)[1]
+    plan = planner(counts)
+    check_plan(plan, counts)
+    loads_ = np.asarray(plan.route).sum((0, 2))
+    assert loads_.max() == -(-counts.sum() // R)
+    summary = summarize(plan, counts, TOPO, DIMS)
+    assert summary["imbalance"] == pytest.approx(summary["imbalance_lower_bound"])
