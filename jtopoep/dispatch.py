@@ -1,0 +1,168 @@
+"""One MoE layer's expert-parallel data flow, called inside shard_map over ("node", "gpu").
+
+    x f[T, D], expert_ids i[T, k], gates f[T, k]          this rank's tokens and router output
+    counts  = all_gather(bincount(expert_ids))  i[R, E]  identical on every rank
+    plan    = planner(counts, placement)                  identical on every rank
+    assign  : pair p -> (rank d, slot j): on this source the pairs of expert e, in [T, k] order,
+              fill the slots holding e in ascending (d, j) order, plan.route[me, d, j] each
+    permute : pairs sorted by destination slot; send sizes plan.route[me].sum(1)
+    exchange: to the destination ranks (transport.exchange), regrouped there by slot
+    guests  : each guest slot's weights from its expert's home rank (same transport); independent of
+              the home-slot GEMMs, so XLA may overlap the two
+    experts : SwiGLU over the S = H + K slots with jax.lax.ragged_dot, group sizes plan.route[:, me].sum(0)
+    return  : the reverse exchange, unpermute, and the gate-weighted sum over the k choices
+
+Everything is differentiable: the transpose of each exchange is the reverse exchange, so gradients of
+guest-slot weights travel back to the home rank and add into the home expert's gradient.
+Traffic per rank and layer (forward): T*k rows of D sent and received in total, plus 3*D*F weights per
+guest slot received; the backward pass moves the same again in the opposite direction.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jtopoep.plan import Plan, home_plan
+from jtopoep.planners.common import PlannerBase, home_rank_of_experts
+from jtopoep.planners.none import NonePlanner
+from jtopoep.transport import exchange, exclusive_cumsum, regroup
+
+
+class ExpertWeights(NamedTuple):
+    gate: Float[Array, "H D F"]
+    up: Float[Array, "H D F"]
+    down: Float[Array, "H F D"]
+
+
+class DispatchStats(NamedTuple):
+    counts: Int[Array, "R E"]  # all-gathered routing counts of this layer
+    plan: Plan
+
+
+def _my_rank(topology_gpus: int, axes=("node", "gpu")):
+    return jax.lax.axis_index(axes[0]) * topology_gpus + jax.lax.axis_index(axes[1])
+
+
+def assign_slots(expert_ids: Int[Array, " A"], local_counts: Int[Array, " E"], plan: Plan, me) -> Int[Array, " A"]:
+    """Flat destination slot d * S + j of each of this source's pairs, by the plan's rule: the pairs of
+    expert e, in order, fill the slots holding e in ascending (d, j) order."""
+    num_pairs = expert_ids.shape[0]
+    num_experts = local_counts.shape[0]
+    order = jnp.argsort(expert_ids, stable=True)
+    expert_start = exclusive_cumsum(local_counts)
+    rank_in_sorted = jnp.arange(num_pairs, dtype=jnp.int32) - expert_start[expert_ids[order]]
+    # position of each pair on the line of all this source's pairs, laid out expert by expert
+    line_sorted = expert_start[expert_ids[order]] + rank_in_sorted
+    slot_expert = plan.slot_expert.reshape(-1)
+    num_slots = slot_expert.shape[0]
+    sent = jax.lax.dynamic_index_in_dim(plan.route, me, 0, keepdims=False).reshape(-1)  # [R*S]
+    key = jnp.where(slot_expert >= 0, slot_expert, num_experts) * num_slots + jnp.arange(num_slots)
+    slot_order = jnp.argsort(key)
+    slot_end = jnp.cumsum(sent[slot_order])
+    dest_sorted = slot_order[jnp.searchsorted(slot_end, line_sorted, side="right")]
+    return jnp.zeros(num_pairs, jnp.int32).at[order].set(dest_sorted.astype(jnp.int32), unique_indices=True)
+
+
+def fetch_guest_weights(weights: ExpertWeights, plan: Plan, placement: Int[Array, "R H"], me, *,
+                        gpus_per_node: int, backend: str, hierarchical: bool) -> ExpertWeights:
+    """[K, ...] weights of this rank's guest slots, each sent by its expert's home rank.
+
+    Home rank h sends, for every guest slot (d, i) holding one of its experts, that expert's weights
+    to d, in (d, i) order; d receives them in source order and puts each in its slot. Empty guest
+    slots get zeros (no pair is routed to them)."""
+    num_ranks, home = placement.shape
+    guests = plan.slot_expert[:, home:]  # [R, K]
+    num_guests = guests.shape[1]
+    home_rank = home_rank_of_experts(placement)
+    home_slot = jnp.argmax(placement[home_rank] == jnp.arange(placement.size)[:, None], axis=1)  # [E]
+    occupied = guests >= 0
+    src = jnp.where(occupied, home_rank[jnp.maximum(guests, 0)], -1)  # [R, K] home rank per guest slot
+    sizes = (src[None, :, :] == jnp.arange(num_ranks)[:, None, None]).sum(2).astype(jnp.int32)  # [h, d]
+    flat = [w.reshape(home, -1) for w in weights]
+    rows = jnp.concatenate(flat, axis=1)  # [H, 3*D*F]
+    mine = (src == me).reshape(-1)
+    send_order = jnp.argsort(~mine, stable=True)  # my (d, i) slots first, in (d, i) order
+    which = home_slot[jnp.maximum(guests.reshape(-1), 0)][send_order]
+    # A one-hot matmul rather than a gather: its transpose sums guest gradients into the home rows
+    # with a dense dot, not a float scatter-add whose order could vary.
+    pick = (which[:, None] == jnp.arange(home)[None, :]).astype(rows.dtype)
+    send = pick @ rows  # [R*K, 3*D*F]
+    received = exchange(send, sizes, out_rows=num_guests, gpus_per_node=gpus_per_node, backend=backend,
+                        hierarchical=hierarchical, capacity=num_guests)
+    my_src = jax.lax.dynamic_index_in_dim(src, me, 0, keepdims=False)  # [K]
+    earlier_same = (my_src[None, :] == my_src[:, None]) & (jnp.arange(num_guests)[None, :] < jnp.arange(num_guests)[:, None])
+    offset = exclusive_cumsum(jax.lax.dynamic_index_in_dim(sizes, me, 1, keepdims=False))  # per source
+    position = offset[jnp.maximum(my_src, 0)] + earlier_same.sum(1)
+    got = jnp.where((my_src >= 0)[:, None], received[jnp.clip(position, 0, num_guests - 1)], 0)
+    parts, start = [], 0
+    for w in weights:
+        size = w[0].size
+        parts.append(got[:, start:start + size].reshape((num_guests,) + w.shape[1:]))
+        start += size
+    return ExpertWeights(*parts)
+
+
+def _swiglu_slots(x, weights: ExpertWeights, group_sizes):
+    with jax.named_scope("grouped_ffn"):
+        gate = jax.lax.ragged_dot(x, weights.gate, group_sizes)
+        up = jax.lax.ragged_dot(x, weights.up, group_sizes)
+        return jax.lax.ragged_dot(jax.nn.silu(gate) * up, weights.down, group_sizes)
+
+
+def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: Float[Array, "T k"],
+                 weights: ExpertWeights, placement: Int[Array, "R H"], planner: PlannerBase, *,
+                 backend: str = "auto", hierarchical: bool = False,
+                 axes: tuple[str, str] = ("node", "gpu")) -> tuple[Float[Array, "T D"], DispatchStats]:
+    """The layer's expert computation for this rank's T tokens; call inside shard_map over `axes`."""
+    topology = planner.topology
+    gpus = topology.gpus_per_node
+    num_tokens, top_k = expert_ids.shape
+    num_pairs = num_tokens * top_k
+    num_ranks, num_experts = topology.num_ranks, planner.num_experts
+    me = _my_rank(gpus, axes)
+    move = dict(gpus_per_node=gpus, backend=backend, hierarchical=hierarchical, axes=axes)
+
+    with jax.named_scope("plan"):
+        flat_ids = expert_ids.reshape(-1).astype(jnp.int32)
+        local_counts = jnp.zeros(num_experts, jnp.int32).at[flat_ids].add(1)
+        counts = jax.lax.all_gather(local_counts, axes)  # [R, E]
+        if isinstance(planner, NonePlanner):
+            plan = home_plan(counts, placement, 0)  # fast path: no guest slots at all
+        else:
+            plan = planner(counts, placement)
+    home = placement.shape[1]
+    num_slots = plan.slot_expert.shape[1]
+
+    with jax.named_scope("permute"):
+        dest = assign_slots(flat_ids, local_counts, plan, me)
+        send_order = jnp.argsort(dest, stable=True)
+        tokens = x[send_order // top_k]
+        sizes = plan.route.sum(2)  # [s, d]
+
+    with jax.named_scope("dispatch"):
+        recv_rows = num_ranks * num_pairs  # worst case: every source sends all its pairs here
+        received = exchange(tokens, sizes, out_rows=recv_rows, **move)
+        my_route = jax.lax.dynamic_index_in_dim(plan.route, me, 1, keepdims=False)  # [s, S]
+        by_slot = regroup(received, my_route)
+        group_sizes = my_route.sum(0)
+
+    if num_slots > home:
+        with jax.named_scope("guest_weights"):
+            guest = fetch_guest_weights(weights, plan, placement, me, **{k: move[k] for k in
+                                                                         ("gpus_per_node", "backend", "hierarchical")})
+            slot_weights = ExpertWeights(*(jnp.concatenate([w, g], 0) for w, g in zip(weights, guest)))
+    else:
+        slot_weights = weights
+    out = _swiglu_slots(by_slot, slot_weights, group_sizes)
+    out = jnp.where((jnp.arange(recv_rows) < group_sizes.sum())[:, None], out, 0)
+
+    with jax.named_scope("combine"):
+        back = regroup(out, my_route.T)
+        returned = exchange(back, sizes.T, out_rows=num_pairs, capacity=num_pairs, **move)
+        per_pair = returned[jnp.argsort(send_order)].reshape(num_tokens, top_k, -1)
+        y = jnp.einsum("tkd,tk->td", per_pair, gates.astype(per_pair.dtype))
+    return y, DispatchStats(counts, plan)
