@@ -1,0 +1,99 @@
+"""Flax NNX MoE layer: router + expert-parallel dispatch with a balancing planner.
+
+Expert weights are sharded over the ("node", "gpu") mesh axes on their expert dimension; tokens are
+sharded over every mesh axis. The layer runs router and dispatch inside one shard_map, and returns
+its output with per-layer statistics, all device values (no host sync).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+from jaxtyping import Array, Float
+
+from jtopoep.config import MoEConfig
+from jtopoep.costmodel import ExpertDims
+from jtopoep.dispatch import ExpertWeights, moe_dispatch
+from jtopoep.metrics import counts_imbalance, imbalance, inter_node_pairs
+from jtopoep.plan import contiguous_placement
+from jtopoep.planners import get_planner
+from jtopoep.router import route
+from jtopoep.topology import EP_AXES, Topology
+
+
+class ExpertParam(nnx.Param):
+    """A parameter whose leading axis is the expert axis, sharded over ("node", "gpu")."""
+
+
+class RouterBias(nnx.Variable):
+    """Non-trained routing bias for auxiliary-loss-free balancing, updated in the train step."""
+
+
+def make_planner(moe: MoEConfig, topology: Topology, num_experts: int, dims: ExpertDims):
+    knobs = dict(min_gain=moe.min_gain, dims=dims)
+    if moe.planner == "taot":
+        knobs.update(epsilon=moe.sinkhorn_epsilon, iterations=moe.sinkhorn_iters)
+    return get_planner(moe.planner, topology=topology, num_experts=num_experts, guest_slots=moe.guest_slots,
+                       **knobs)
+
+
+class MoELayer(nnx.Module):
+    def __init__(self, d_model: int, num_experts: int, top_k: int, expert_hidden: int, moe: MoEConfig,
+                 topology: Topology, mesh: Mesh, *, param_bytes: int = 2, rngs: nnx.Rngs):
+        if num_experts % topology.num_ranks:
+            raise ValueError(f"num_experts = {num_experts} must be a multiple of the {topology.num_ranks} ranks")
+        self.moe = moe
+        self.top_k = top_k
+        self.topology = topology
+        self.mesh = mesh
+        self.planner = make_planner(moe, topology, num_experts, ExpertDims(d_model, expert_hidden, param_bytes))
+        init = nnx.initializers.normal(stddev=d_model ** -0.5)
+        self.router = nnx.Param(init(rngs.params(), (d_model, num_experts)))
+        self.w_gate = ExpertParam(init(rngs.params(), (num_experts, d_model, expert_hidden)))
+        self.w_up = ExpertParam(init(rngs.params(), (num_experts, d_model, expert_hidden)))
+        self.w_down = ExpertParam(nnx.initializers.normal(stddev=expert_hidden ** -0.5)(
+            rngs.params(), (num_experts, expert_hidden, d_model)))
+        self.bias = RouterBias(jnp.zeros(num_experts)) if moe.bias_balancing else None
+
+    def __call__(self, x: Float[Array, "B L D"]) -> tuple[Float[Array, "B L D"], dict]:
+        batch_axes = tuple(a for a in self.mesh.axis_names)
+        token_spec = P(batch_axes)
+        expert_spec = P(EP_AXES)
+        num_ranks = self.topology.num_ranks
+        placement = contiguous_placement(num_ranks, self.planner.num_experts)
+        moe = self.moe
+        bias = None if self.bias is None else self.bias.value
+
+        def body(x, router, w_gate, w_up, w_down, bias):
+            b, length, d = x.shape
+            tokens = x.reshape(b * length, d)
+            with jax.named_scope("route"):
+                routed = route(tokens @ router, self.top_k, moe.score_fn, moe.normalize_topk, bias)
+            y, stats = moe_dispatch(tokens, routed.expert_ids, routed.gates.astype(x.dtype),
+                                    ExpertWeights(w_gate, w_up, w_down), placement, self.planner,
+                                    backend=moe.transport, hierarchical=moe.hierarchical)
+            scalars = {
+                "aux_loss": jax.lax.pmean(routed.aux_loss, batch_axes),
+                "z_loss": jax.lax.pmean(routed.z_loss, batch_axes),
+            }
+            per_device = {
+                "imbalance_before": counts_imbalance(stats.counts, placement),
+                "imbalance_after": imbalance(stats.plan),
+                "inter_node_pairs": inter_node_pairs(stats.plan, self.topology.gpus_per_node),
+                "counts": stats.counts,
+            }
+            return y.reshape(b, length, d), scalars, jax.tree.map(lambda a: a[None], per_device)
+
+        stats_spec = {"aux_loss": P(), "z_loss": P()}
+        fn = jax.shard_map(body, mesh=self.mesh,
+                           in_specs=(token_spec, P(), expert_spec, expert_spec, expert_spec, P()),
+                           out_specs=(token_spec, stats_spec, P(batch_axes)))
+        y, scalars, per_device = fn(x, self.router.value, self.w_gate.value, self.w_up.value,
+                                    self.w_down.value, bias)
+        # Every rank of an expert-parallel group holds the same counts and plan: report the first group's.
+        stats = {**scalars, **jax.tree.map(lambda a: a[0], per_device)}
+        return y, stats

@@ -1,0 +1,1 @@
+"""Trainer for MoE language models with jtopoep balancing: `python -m train --config ...`."""

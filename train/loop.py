@@ -1,0 +1,210 @@
+"""The training loop: mesh, sharded model, jitted step, evaluation, checkpoints, logs and report.
+
+`Trainer(config).run()` trains; `add_hook(fn, every=n)` extends it without copying it. The jitted step
+does everything on device (forward, planner, dispatch, backward, optimizer, router-bias update); the
+host reads back only the scalars and counts it logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import shutil
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tqdm import tqdm
+
+from jtopoep.config import RunConfig, config_to_dict
+from jtopoep.layer import ExpertParam
+from jtopoep.router import bias_update
+from jtopoep.topology import EP_AXES, make_mesh
+from models.moe_transformer import MoETransformer
+from train.checkpoint import Checkpointer
+from train.data import ByteDataset
+from train.report import write_report
+
+
+class NonFiniteLossError(FloatingPointError):
+    pass
+
+
+def make_optimizer(config: RunConfig) -> optax.GradientTransformation:
+    t = config.train
+    schedule = optax.warmup_cosine_decay_schedule(0.0, t.learning_rate, t.warmup_steps, t.steps,
+                                                  end_value=t.learning_rate * 0.1)
+    parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
+    return optax.chain(*parts, optax.adamw(schedule, weight_decay=t.weight_decay))
+
+
+def shard_model(model: nnx.Module, mesh) -> None:
+    """Expert weights split over ("node", "gpu") on their expert axis; everything else replicated."""
+    experts = nnx.state(model, ExpertParam)
+    rest = nnx.state(model, nnx.Not(ExpertParam))
+    nnx.update(model, jax.device_put(experts, NamedSharding(mesh, P(EP_AXES))))
+    nnx.update(model, jax.device_put(rest, NamedSharding(mesh, P())))
+
+
+def replicate_unplaced(module: nnx.Module, mesh) -> None:
+    """Replicate state that was created on one device (optimizer step counters) over the mesh, so
+    the first step compiles for the same shardings every later step sees."""
+    state = nnx.state(module)
+    replicated = NamedSharding(mesh, P())
+    placed = jax.tree.map(lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding)
+                          else jax.device_put(x, replicated), state)
+    nnx.update(module, placed)
+
+
+def _losses(model, tokens, config: RunConfig):
+    logits, stats = model(tokens[:, :-1])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
+    aux = sum(s["aux_loss"] for s in stats)
+    z = sum(s["z_loss"] for s in stats)
+    loss = ce + config.moe.aux_loss_coef * aux + config.moe.z_loss_coef * z
+    return loss, (ce, stats)
+
+
+def make_train_step(config: RunConfig):
+    @nnx.jit
+    def train_step(model, optimizer, tokens):
+        grad_fn = nnx.value_and_grad(lambda m: _losses(m, tokens, config), has_aux=True)
+        (loss, (ce, stats)), grads = grad_fn(model)
+        optimizer.update(model, grads)
+        if config.moe.bias_balancing:
+            for layer, layer_stats in zip(model.moe_layers(), stats):
+                layer.bias.value = bias_update(layer.bias.value, layer_stats["counts"], config.moe.bias_update_rate)
+        summary = {
+            "loss": loss, "ce": ce,
+            "imbalance_before": jnp.stack([s["imbalance_before"] for s in stats]),
+            "imbalance_after": jnp.stack([s["imbalance_after"] for s in stats]),
+            "inter_node_pairs": jnp.stack([s["inter_node_pairs"] for s in stats]),
+            "counts": jnp.stack([s["counts"] for s in stats]),
+        }
+        return summary
+
+    return train_step
+
+
+def make_eval_step(config: RunConfig):
+    @nnx.jit
+    def eval_step(model, tokens):
+        return _losses(model, tokens, config)[1][0]
+
+    return eval_step
+
+
+@dataclasses.dataclass
+class Hook:
+    fn: Callable[["Trainer", int, dict], None]
+    every: int
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, fresh: bool = False):
+        self.config = config
+        self.run_dir = pathlib.Path(config.train.run_dir)
+        if fresh and self.run_dir.exists():
+            shutil.rmtree(self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.topology = config.topology.to_topology()
+        self.mesh = make_mesh(self.topology, data=config.topology.data_parallel)
+        self.batch_sharding = NamedSharding(self.mesh, P(self.mesh.axis_names))
+        self.data = ByteDataset(config.data, config.model.seq_len, config.model.vocab_size, config.train.seed)
+        self.model = MoETransformer(config.model, config.moe, self.topology, self.mesh,
+                                    rngs=nnx.Rngs(config.train.seed))
+        shard_model(self.model, self.mesh)
+        self.optimizer = nnx.Optimizer(self.model, make_optimizer(config), wrt=nnx.Param)
+        replicate_unplaced(self.optimizer, self.mesh)
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", config.train.keep_checkpoints)
+        self.train_step = make_train_step(config)
+        self.eval_step = make_eval_step(config)
+        self.hooks: list[Hook] = []
+        self.counts: list[np.ndarray] = []  # [layers, R, E] per step, the routing trace
+
+    def add_hook(self, fn: Callable[["Trainer", int, dict], None], every: int = 1) -> None:
+        """Call fn(trainer, step, metrics) after every `every`-th step."""
+        if every < 1:
+            raise ValueError(f"every = {every} must be >= 1")
+        self.hooks.append(Hook(fn, every))
+
+    def _device_batch(self, step: int, split: str = "train") -> jax.Array:
+        batch = self.data.batch(step, self.config.train.batch_size, split)
+        # Each process supplies only the shards it holds, so the same code runs on one host or many.
+        return jax.make_array_from_callback(batch.shape, self.batch_sharding, lambda index: batch[index])
+
+    def evaluate(self) -> float:
+        losses = [self.eval_step(self.model, self._device_batch(i, "eval")) for i in range(self.config.train.eval_batches)]
+        return float(np.mean(jax.device_get(losses)))
+
+    def _resume(self) -> int:
+        step = self.checkpointer.latest_step()
+        metrics_path = self.run_dir / "metrics.jsonl"
+        trace_path = self.run_dir / "counts.npz"
+        if step is None:
+            metrics_path.unlink(missing_ok=True)
+            trace_path.unlink(missing_ok=True)
+            return 0
+        self.checkpointer.restore(step, self.model, self.optimizer)
+        if metrics_path.exists():  # drop what was logged after the checkpoint we resume from
+            kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= step]
+            metrics_path.write_text("".join(line + "\n" for line in kept))
+        if trace_path.exists():
+            with np.load(trace_path) as trace:
+                self.counts = list(trace["counts"][:step])
+        return step
+
+    def _save_trace(self) -> None:
+        if self.counts:
+            np.savez_compressed(self.run_dir / "counts.npz", counts=np.stack(self.counts).astype(np.int32))
+
+    def _log(self, row: dict) -> None:
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def run(self) -> dict:
+        t = self.config.train
+        (self.run_dir / "config.json").write_text(json.dumps(config_to_dict(self.config), indent=2))
+        start = self._resume()
+        tokens_per_step = t.batch_size * self.config.model.seq_len
+        bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc=f"train [{self.config.moe.planner}]",
+                   disable=jax.process_index() != 0)
+        last = None
+        for step in bar:
+            began = time.perf_counter()
+            summary = jax.device_get(self.train_step(self.model, self.optimizer, self._device_batch(step)))
+            seconds = time.perf_counter() - began
+            done = step + 1
+            if not np.isfinite(summary["loss"]):
+                # Stop before anything is saved: the last checkpoint stays the last good state.
+                raise NonFiniteLossError(f"non-finite loss {summary['loss']} at step {done}; last good checkpoint: "
+                                         f"step {self.checkpointer.latest_step()}")
+            self.counts.append(np.asarray(summary["counts"]))
+            row = {"step": done, "loss": float(summary["loss"]), "ce": float(summary["ce"]),
+                   "tokens_per_s": tokens_per_step / seconds, "step_s": seconds,
+                   "imbalance_before": np.asarray(summary["imbalance_before"]).round(4).tolist(),
+                   "imbalance_after": np.asarray(summary["imbalance_after"]).round(4).tolist(),
+                   "inter_node_pairs": np.asarray(summary["inter_node_pairs"]).tolist()}
+            if done % t.eval_every == 0 or done == t.steps:
+                row["eval_loss"] = self.evaluate()
+            self._log(row)
+            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                            imb=f"{max(row['imbalance_before']):.2f}->{max(row['imbalance_after']):.2f}")
+            for hook in self.hooks:
+                if done % hook.every == 0:
+                    hook.fn(self, done, row)
+            if done % t.checkpoint_every == 0 or done == t.steps:
+                self.checkpointer.save(done, self.model, self.optimizer)
+                self._save_trace()
+            last = row
+        self.checkpointer.close()
+        self._save_trace()
+        if jax.process_index() == 0 and (self.run_dir / "metrics.jsonl").exists():
+            write_report(self.run_dir, self.config.moe.planner)
+        return last or {}
