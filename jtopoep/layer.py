@@ -66,7 +66,7 @@ class MoELayer(nnx.Module):
         num_ranks = self.topology.num_ranks
         placement = contiguous_placement(num_ranks, self.planner.num_experts)
         moe = self.moe
-        bias = None if self.bias is None else self.bias.value
+        bias = None if self.bias is None else self.bias.get_value()
 
         def body(x, router, w_gate, w_up, w_down, bias):
             b, length, d = x.shape
@@ -92,8 +92,8 @@ class MoELayer(nnx.Module):
         fn = jax.shard_map(body, mesh=self.mesh,
                            in_specs=(token_spec, P(), expert_spec, expert_spec, expert_spec, P()),
                            out_specs=(token_spec, stats_spec, P(batch_axes)))
-        y, scalars, per_device = fn(x, self.router.value, self.w_gate.value, self.w_up.value,
-                                    self.w_down.value, bias)
+        y, scalars, per_device = fn(x, self.router.get_value(), self.w_gate.get_value(), self.w_up.get_value(),
+                                    self.w_down.get_value(), bias)
         # Every rank of an expert-parallel group holds the same counts and plan: report the first group's.
         stats = {**scalars, **jax.tree.map(lambda a: a[0], per_device)}
         return y, stats

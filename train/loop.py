@@ -8,6 +8,7 @@ host reads back only the scalars and counts it logs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import shutil
@@ -22,7 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
-from jtopoep.config import RunConfig, config_to_dict
+from jtopoep.config import MoEConfig, RunConfig, config_to_dict
 from jtopoep.layer import ExpertParam
 from jtopoep.router import bias_update
 from jtopoep.topology import EP_AXES, make_mesh
@@ -62,24 +63,27 @@ def replicate_unplaced(module: nnx.Module, mesh) -> None:
     nnx.update(module, placed)
 
 
-def _losses(model, tokens, config: RunConfig):
+def _losses(model, tokens, moe):
     logits, stats = model(tokens[:, :-1])
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
     aux = sum(s["aux_loss"] for s in stats)
     z = sum(s["z_loss"] for s in stats)
-    loss = ce + config.moe.aux_loss_coef * aux + config.moe.z_loss_coef * z
+    loss = ce + moe.aux_loss_coef * aux + moe.z_loss_coef * z
     return loss, (ce, stats)
 
 
-def make_train_step(config: RunConfig):
+@functools.lru_cache(maxsize=None)
+def make_train_step(moe: MoEConfig):
+    """The jitted step for one MoE config; cached so that trainers of the same model share compiles."""
+
     @nnx.jit
     def train_step(model, optimizer, tokens):
-        grad_fn = nnx.value_and_grad(lambda m: _losses(m, tokens, config), has_aux=True)
+        grad_fn = nnx.value_and_grad(lambda m: _losses(m, tokens, moe), has_aux=True)
         (loss, (ce, stats)), grads = grad_fn(model)
         optimizer.update(model, grads)
-        if config.moe.bias_balancing:
+        if moe.bias_balancing:
             for layer, layer_stats in zip(model.moe_layers(), stats):
-                layer.bias.value = bias_update(layer.bias.value, layer_stats["counts"], config.moe.bias_update_rate)
+                layer.bias.set_value(bias_update(layer.bias.get_value(), layer_stats["counts"], moe.bias_update_rate))
         summary = {
             "loss": loss, "ce": ce,
             "imbalance_before": jnp.stack([s["imbalance_before"] for s in stats]),
@@ -92,10 +96,11 @@ def make_train_step(config: RunConfig):
     return train_step
 
 
-def make_eval_step(config: RunConfig):
+@functools.lru_cache(maxsize=None)
+def make_eval_step(moe: MoEConfig):
     @nnx.jit
     def eval_step(model, tokens):
-        return _losses(model, tokens, config)[1][0]
+        return _losses(model, tokens, moe)[1][0]
 
     return eval_step
 
@@ -123,8 +128,8 @@ class Trainer:
         self.optimizer = nnx.Optimizer(self.model, make_optimizer(config), wrt=nnx.Param)
         replicate_unplaced(self.optimizer, self.mesh)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", config.train.keep_checkpoints)
-        self.train_step = make_train_step(config)
-        self.eval_step = make_eval_step(config)
+        self.train_step = make_train_step(config.moe)
+        self.eval_step = make_eval_step(config.moe)
         self.hooks: list[Hook] = []
         self.counts: list[np.ndarray] = []  # [layers, R, E] per step, the routing trace
 

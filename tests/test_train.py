@@ -1,0 +1,94 @@
+"""Trainer: smoke, balancing leaves the maths unchanged, resume equals an uninterrupted run, trace."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jtopoep.config import config_from_dict
+from jtopoep.traces import load_recorded
+from train.loop import NonFiniteLossError, Trainer
+
+
+def tiny(tmp_path, name, planner="topoep", steps=4, moe=None, **train):
+    raw = {
+        "topology": {"preset": "cpu-2x4"},
+        "model": {"vocab_size": 64, "seq_len": 12, "d_model": 16, "num_layers": 2, "num_heads": 2,
+                  "num_experts": 16, "top_k": 2, "expert_hidden": 12, "dense_hidden": 24, "moe_every": 1},
+        "moe": {"planner": planner, "guest_slots": 0 if planner == "none" else 2, "min_gain": 0.0,
+                "hierarchical": True, **(moe or {})},
+        "train": {"steps": steps, "batch_size": 16, "warmup_steps": 1, "learning_rate": 1e-2, "log_every": 1,
+                  "eval_every": 100, "eval_batches": 1, "checkpoint_every": 2,
+                  "run_dir": str(tmp_path / name), **train},
+        "data": {"source": "synthetic"},
+    }
+    return config_from_dict(raw)
+
+
+class Stop(Exception):
+    pass
+
+
+def losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows]
+
+
+def test_train_runs_and_writes_outputs(devices, tmp_path):
+    config = tiny(tmp_path, "smoke", moe={"bias_balancing": True, "score_fn": "sigmoid", "bias_update_rate": 0.01})
+    last = Trainer(config).run()
+    run_dir = tmp_path / "smoke"
+    assert np.isfinite(last["loss"]) and last["step"] == 4
+    assert (run_dir / "report.png").stat().st_size > 10_000
+    trace = load_recorded(run_dir / "counts.npz")
+    assert trace.shape == (4, 2, 8, 16)
+    # every (token, expert) pair of every layer is recorded: batch * seq_len * top_k per step
+    assert (trace.sum((2, 3)) == 16 * 12 * 2).all()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(rows[-1]["imbalance_after"]) <= max(rows[-1]["imbalance_before"])
+
+
+def test_balancing_does_not_change_the_loss(devices, tmp_path):
+    with_none = Trainer(tiny(tmp_path, "none", planner="none", steps=3)).run()
+    with_topoep = Trainer(tiny(tmp_path, "topoep", planner="topoep", steps=3)).run()
+    np.testing.assert_allclose(losses(tmp_path / "none"), losses(tmp_path / "topoep"), rtol=2e-5, atol=0)
+    assert with_none["step"] == with_topoep["step"] == 3
+
+
+def test_resume_matches_uninterrupted(devices, tmp_path):
+    Trainer(tiny(tmp_path, "straight")).run()
+    config = tiny(tmp_path, "killed")
+    trainer = Trainer(config)
+
+    def kill(_trainer, step, _row):
+        if step == 3:  # after the step-2 checkpoint, before the step-4 one
+            raise Stop
+
+    trainer.add_hook(kill)
+    with pytest.raises(Stop):
+        trainer.run()
+    trainer.checkpointer.close()
+    resumed = Trainer(config)
+    assert resumed.checkpointer.latest_step() == 2
+    resumed.run()
+    assert losses(tmp_path / "killed") == pytest.approx(losses(tmp_path / "straight"), rel=1e-6, abs=0)
+    assert load_recorded(tmp_path / "killed" / "counts.npz").shape[0] == 4
+
+
+def test_non_finite_loss_fails_fast(devices, tmp_path):
+    trainer = Trainer(tiny(tmp_path, "nan"))
+    step_fn = trainer.train_step
+    calls = []
+
+    def poisoned(model, optimizer, tokens):
+        out = step_fn(model, optimizer, tokens)
+        calls.append(1)
+        if len(calls) == 3:
+            out = {**out, "loss": np.float32("nan")}
+        return out
+
+    trainer.train_step = poisoned
+    with pytest.raises(NonFiniteLossError, match="non-finite loss nan at step 3; last good checkpoint: step 2"):
+        trainer.run()
+    trainer.checkpointer.close()
+    assert Trainer(tiny(tmp_path, "nan")).checkpointer.latest_step() == 2
