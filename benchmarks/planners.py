@@ -1,0 +1,144 @@
+"""Planner quality and latency on h800-4x8: python -m benchmarks.planners [--quick]
+
+For every load family (real traces and synthetic), E in {64, 256} and K in {1, 2}: imbalance (median
+and worst over micro-batches), gap to the lower bound, inter-node pairs and bytes, weighted
+communication cost relative to eplb, projected MoE-layer time from the cost model; and planning
+latency (median of many jitted calls, and the host eplb planner with its device copies, in the same
+run). Writes benchmarks/results/planners.json and planners.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.loads import all_families
+from jtopoep.costmodel import ExpertDims, layer_time
+from jtopoep.metrics import summarize
+from jtopoep.planners import eplb_host, get_planner
+from jtopoep.topology import Topology
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+PLANNERS = ("none", "eplb", "topoep", "taot")
+# DeepSeek-V2-Lite expert shapes (configs/models/deepseek-v2-lite.yaml), bf16.
+DIMS = ExpertDims(d_model=2048, expert_hidden=1408, bytes_per_element=2)
+TOKENS_PER_RANK = 4096
+
+
+def make(name, topology, num_experts, guest_slots, min_gain, **extra):
+    return get_planner(name, topology=topology, num_experts=num_experts,
+                       guest_slots=0 if name == "none" else guest_slots, min_gain=min_gain, dims=DIMS, **extra)
+
+
+def time_call(fn, arg, repeats: int) -> float:
+    """Median seconds of fn(arg), results waited for."""
+    jax.block_until_ready(fn(arg))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(arg))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def latency(topology, counts, min_gain: float, repeats: int) -> dict:
+    out = {}
+    device_counts = jax.device_put(jnp.asarray(counts))
+    for name in PLANNERS:
+        out[name] = time_call(jax.jit(make(name, topology, counts.shape[1], 2, min_gain)), device_counts, repeats)
+    host = make("eplb", topology, counts.shape[1], 2, min_gain)
+    out["eplb_host"] = time_call(lambda c: eplb_host(host, c), device_counts, max(repeats // 10, 5))
+    return out
+
+
+def evaluate(topology, families: dict, num_experts: int, guest_slots: int, min_gain: float) -> dict:
+    rows = {}
+    planners = {name: jax.jit(make(name, topology, num_experts, guest_slots, min_gain)) for name in PLANNERS}
+    for family, mats in families.items():
+        for name, fn in planners.items():
+            stats = []
+            for counts in mats:
+                plan = jax.device_get(fn(counts))
+                s = summarize(plan, counts, topology, DIMS)
+                placement = np.arange(num_experts).reshape(topology.num_ranks, -1)
+                s["layer_ms"] = layer_time(plan, topology, DIMS, placement)["total_s"] * 1e3
+                stats.append(s)
+            col = lambda k: np.array([s[k] for s in stats])  # noqa: E731
+            rows[(family, name)] = {
+                "imbalance_median": float(np.median(col("imbalance"))),
+                "imbalance_worst": float(col("imbalance").max()),
+                "lower_bound_median": float(np.median(col("imbalance_lower_bound"))),
+                "gap_to_bound_median": float(np.median(col("imbalance") / col("imbalance_lower_bound") - 1)),
+                "inter_pairs": float(col("inter_pairs").mean()),
+                "inter_bytes": float(col("inter_bytes").mean()),
+                "inter_weight_bytes": float(col("inter_weight_bytes").mean()),
+                "guest_copies": float(col("guest_copies").mean()),
+                "wcc": float(col("wcc").mean()),
+                "layer_ms": float(col("layer_ms").mean()),
+                "microbatches": len(stats),
+            }
+        base = rows[(family, "eplb")]
+        for name in PLANNERS:
+            row = rows[(family, name)]
+            row["inter_bytes_vs_eplb"] = row["inter_bytes"] / base["inter_bytes"] - 1
+            row["wcc_vs_eplb"] = row["wcc"] / base["wcc"] - 1
+    return rows
+
+
+def markdown(results: dict) -> str:
+    lines = []
+    lat = results["latency_us"]
+    lines.append(f"Planning latency, R = 32, E = 256, K = 2, jitted, median on this machine "
+                 f"({results['device']}): " + ", ".join(f"{k} {v:.0f} us" for k, v in lat.items())
+                 + f"; eplb_host / topoep = {lat['eplb_host'] / lat['topoep']:.1f}x.")
+    lines.append("")
+    for setting, rows in results["settings"].items():
+        lines.append(f"### {setting}")
+        lines.append("")
+        lines.append("| load | planner | imbalance median | worst | gap to bound | inter-node GB | vs eplb | "
+                     "WCC vs eplb | copies | layer ms |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        for row in rows:
+            lines.append(f"| {row['load']} | {row['planner']} | {row['imbalance_median']:.3f} | "
+                         f"{row['imbalance_worst']:.3f} | {100 * row['gap_to_bound_median']:.1f}% | "
+                         f"{row['inter_bytes'] / 1e9:.2f} | {100 * row['inter_bytes_vs_eplb']:+.0f}% | "
+                         f"{100 * row['wcc_vs_eplb']:+.0f}% | {row['guest_copies']:.0f} | {row['layer_ms']:.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer micro-batches, for a smoke run")
+    parser.add_argument("--min-gain", type=float, default=1.0)
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    topology = Topology.preset("h800-4x8")
+    results = {"topology": "h800-4x8", "dims": DIMS.__dict__, "tokens_per_rank": TOKENS_PER_RANK,
+               "min_gain": args.min_gain, "device": jax.devices()[0].device_kind, "settings": {}}
+    for num_experts in (256, 64):
+        families = all_families(topology.num_ranks, num_experts, TOKENS_PER_RANK, args.quick)
+        if num_experts == 256:
+            results["latency_us"] = {k: v * 1e6 for k, v in latency(
+                topology, families["zipf-1.0"][0], args.min_gain, 50 if args.quick else 300).items()}
+        for guest_slots in (2, 1):
+            rows = evaluate(topology, families, num_experts, guest_slots, args.min_gain)
+            key = f"E={num_experts}, K={guest_slots}"
+            results["settings"][key] = [{"load": f, "planner": p, **r} for (f, p), r in rows.items()]
+            print(key, "done", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "planners.json").write_text(json.dumps(results, indent=1))
+    (args.out / "planners.md").write_text(markdown(results))
+    print(markdown(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
