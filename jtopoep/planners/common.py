@@ -110,9 +110,23 @@ def spill_per_expert(loads, placement, target, xp=jnp):
     return (one_hot(experts_sorted, loads.shape[0], xp) * spill_sorted[..., None]).sum((0, 1))
 
 
+def scatter_add(shape, index: tuple, values, xp=jnp):
+    """zeros(shape) with values added at index; integer, so the result does not depend on order."""
+    if xp is np:
+        out = np.zeros(shape, values.dtype)
+        np.add.at(out, index, values)
+        return out
+    return jnp.zeros(shape, values.dtype).at[index].add(values)
+
+
 def slot_capacity(slot_expert, quota, num_experts, xp=jnp):
     """[E, R] pairs the copy of expert e on rank d takes (0 where d holds no copy of e)."""
-    return (one_hot(slot_expert, num_experts, xp) * quota[..., None]).sum(1).T
+    num_ranks = slot_expert.shape[0]
+    ranks = xp.broadcast_to(xp.arange(num_ranks, dtype=xp.int32)[:, None], slot_expert.shape)
+    occupied = slot_expert >= 0
+    # Empty slots add 0 to expert 0: harmless, and keeps the index static.
+    return scatter_add((num_experts, num_ranks), (xp.maximum(slot_expert, 0), ranks),
+                       xp.where(occupied, quota, 0).astype(xp.int32), xp)
 
 
 def even_quotas(slot_expert, loads, xp=jnp):
@@ -129,16 +143,16 @@ def even_quotas(slot_expert, loads, xp=jnp):
     return xp.where(flat >= 0, quota, 0).reshape(num_ranks, num_slots).astype(xp.int32)
 
 
+def _overlap(s_hi, supply, c_hi, capacity, xp):
+    hi = xp.minimum(s_hi[..., :, None], c_hi[..., None, :])
+    lo = xp.maximum((s_hi - supply)[..., :, None], (c_hi - capacity)[..., None, :])
+    return xp.maximum(hi - lo, 0)
+
+
 def interval_overlap(supply, capacity, xp=jnp):
     """[..., n, m] greedy transport: lay supplies and capacities end to end on one line (prefix sums)
     and send along the overlap of their intervals. Moves min(sum supply, sum capacity)."""
-    s_hi = xp.cumsum(supply, axis=-1)
-    c_hi = xp.cumsum(capacity, axis=-1)
-    s_lo = s_hi - supply
-    c_lo = c_hi - capacity
-    hi = xp.minimum(s_hi[..., :, None], c_hi[..., None, :])
-    lo = xp.maximum(s_lo[..., :, None], c_lo[..., None, :])
-    return xp.maximum(hi - lo, 0)
+    return _overlap(xp.cumsum(supply, axis=-1), supply, xp.cumsum(capacity, axis=-1), capacity, xp)
 
 
 def route_to_copies(counts, capacity, gpus_per_node: int, tiered: bool = True, xp=jnp):
@@ -154,34 +168,51 @@ def route_to_copies(counts, capacity, gpus_per_node: int, tiered: bool = True, x
     if not tiered:
         return interval_overlap(supply, capacity, xp)
     num_nodes = num_ranks // gpus_per_node
-    eye_r = xp.eye(num_ranks, dtype=xp.int32)
+    node = xp.arange(num_ranks) // gpus_per_node
+    same_rank = xp.eye(num_ranks, dtype=bool)
+    same_node = node[:, None] == node[None, :]
     local = xp.minimum(supply, capacity)
     supply = supply - local
     capacity = capacity - local
-    in_node = interval_overlap(supply.reshape(num_experts, num_nodes, gpus_per_node),
-                               capacity.reshape(num_experts, num_nodes, gpus_per_node), xp)  # [E,N,G,G]
-    supply = supply - in_node.sum(-1).reshape(num_experts, num_ranks)
-    capacity = capacity - in_node.sum(-2).reshape(num_experts, num_ranks)
+
+    def node_cumsum(x):  # prefix sums that restart at every node
+        return xp.cumsum(x.reshape(num_experts, num_nodes, gpus_per_node), axis=-1).reshape(num_experts, num_ranks)
+
+    # Within a node, the same interval overlap with prefix sums that restart at each node.
+    in_node = xp.where(same_node, _overlap(node_cumsum(supply), supply, node_cumsum(capacity), capacity, xp), 0)
+    supply = supply - in_node.sum(-1)
+    capacity = capacity - in_node.sum(-2)
     anywhere = interval_overlap(supply, capacity, xp)
-    eye_n = xp.eye(num_nodes, dtype=xp.int32)
-    block = (in_node[:, :, :, None, :] * eye_n[None, :, None, :, None]).reshape(
-        num_experts, num_ranks, num_ranks)
-    return anywhere + block + local[:, :, None] * eye_r[None]
-
-
-def flow_to_route(flow, slot_expert, xp=jnp):
-    """[R(s), R(d), S] route from the per-expert flow [E, R(s), R(d)] and the slot contents."""
-    num_ranks = slot_expert.shape[0]
-    safe = xp.maximum(slot_expert, 0)
-    gathered = flow[safe, :, xp.arange(num_ranks)[:, None]]  # [d, j, s]
-    route = xp.transpose(gathered, (2, 0, 1))
-    return xp.where(slot_expert[None] >= 0, route, 0).astype(xp.int32)
+    return anywhere + in_node + xp.where(same_rank, local[:, :, None], 0)
 
 
 def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: bool, xp=jnp) -> Plan:
-    capacity = slot_capacity(slot_expert, quota, counts.shape[1], xp)
-    flow = route_to_copies(counts, capacity, gpus_per_node, tiered, xp)
-    return Plan(slot_expert.astype(xp.int32), flow_to_route(flow, slot_expert, xp))
+    """The plan for given slot contents and per-slot quotas, routing sources to copies.
+
+    Only experts with guest copies need a transport problem solved; every other expert sends all its
+    pairs to its home slot. Since there are at most R * K guest slots, the per-expert transport is
+    solved for the C = min(E, R * K) experts that come first when experts with guests are put
+    first, a static bound that keeps routing cost independent of E."""
+    num_ranks, num_experts = counts.shape
+    has_guest = one_hot(slot_expert.reshape(-1), num_experts, xp).sum(0) > 1  # a copy besides home
+    chosen_count = min(num_experts, max(1, _guest_slot_total(slot_expert, num_experts, num_ranks)))
+    chosen = xp.argsort(~has_guest, stable=True)[:chosen_count].astype(xp.int32)  # [C]
+    picked = one_hot(chosen, num_experts, xp)  # [C, E]
+    position = xp.where(picked.sum(0) > 0, (picked * xp.arange(chosen_count, dtype=xp.int32)[:, None]).sum(0), -1)
+    capacity = slot_capacity(slot_expert, quota, num_experts, xp)[chosen]  # [C, R]
+    flow = route_to_copies(counts[:, chosen], capacity, gpus_per_node, tiered, xp)  # [C, R(s), R(d)]
+    safe = xp.maximum(slot_expert, 0)
+    pos = position[safe]  # [R(d), S]
+    from_flow = flow[xp.maximum(pos, 0), :, xp.arange(num_ranks)[:, None]]  # [d, j, s]
+    from_home = xp.transpose(counts[:, safe], (1, 2, 0))  # [d, j, s]: all of e's pairs (home slots)
+    routed = xp.where((pos >= 0)[..., None], from_flow, from_home)
+    route = xp.where((slot_expert >= 0)[..., None], routed, 0)
+    return Plan(slot_expert.astype(xp.int32), xp.transpose(route, (2, 0, 1)).astype(xp.int32))
+
+
+def _guest_slot_total(slot_expert, num_experts: int, num_ranks: int) -> int:
+    """Static upper bound on the number of experts with guest copies: the guest slots, R * K."""
+    return num_ranks * (slot_expert.shape[1] - num_experts // num_ranks)
 
 
 def guest_quotas_to_slots(placement, guest_expert, guest_quota, loads, xp=jnp):

@@ -48,18 +48,25 @@ class TopoEPPlanner(PlannerBase):
             copy_bytes = 2.0 * self.dims.expert_bytes
         node_ids = jnp.arange(nodes, dtype=jnp.int32)
         rank_ids = jnp.arange(num_ranks, dtype=jnp.int32)
-        expert_ids = jnp.arange(num_experts, dtype=jnp.int32)
         slot_ids = jnp.arange(slots, dtype=jnp.int32)
+        spill0 = spill_per_expert(loads, placement, target)
+        # Each step makes at most one copy and there are R * K slots, so at most R * K experts ever
+        # get one, all among the R * K with the most spill (then load): the loop runs on those
+        # candidates only, which keeps its cost independent of E.
+        num_cand = min(num_experts, num_ranks * slots)
+        by_load = jnp.argsort(-loads, stable=True)
+        cand = by_load[jnp.argsort(-spill0[by_load], stable=True)][:num_cand]  # [C] expert ids
+        expert_ids = jnp.arange(num_cand, dtype=jnp.int32)
 
-        remote = node_ids[:, None] != home_node[None, :]  # [N, E]
+        remote = node_ids[:, None] != home_node[cand][None, :]  # [N, C]
         # Pairs of e from node n that cross the scale-out link to reach e's home node.
-        crossing0 = jnp.where(remote, node_pairs, 0.0)
+        crossing0 = jnp.where(remote, node_pairs[:, cand], 0.0)
         never = jnp.int32(-1)
 
         def step(state):
             i, spill, left, room, used, holds, guests, quotas, crossing = state
             free = (used < slots)[:, None] & ~holds & (room > 0)[:, None]  # [R, E]
-            room_free = jnp.where(free, room[:, None], never).reshape(nodes, gpus, num_experts)
+            room_free = jnp.where(free, room[:, None], never).reshape(nodes, gpus, num_cand)
             best_room = room_free.max(1)  # [N, E]
             spilling = spill.max() > 0
             # Spill mode: the expert with the most spill left, to the node that saves the most
@@ -86,7 +93,7 @@ class TopoEPPlanner(PlannerBase):
                                left[None, :].astype(jnp.float32))
             gain = jnp.where((best_room > 0) & remote, take * pair_bytes - copy_bytes, -jnp.inf)
             flat = jnp.argmax(gain.reshape(-1))
-            n_l, e_l = flat // num_experts, flat % num_experts
+            n_l, e_l = flat // num_cand, flat % num_cand
             e = jnp.where(spilling, e_s, e_l)
             node = jnp.where(spilling, n_s, n_l)
             ok = jnp.where(spilling, usable.any(), gain.reshape(-1)[flat] > 0)
@@ -102,7 +109,7 @@ class TopoEPPlanner(PlannerBase):
             room = room - jnp.where(at_d, amount, 0)
             used = used + at_d.astype(jnp.int32)
             holds = holds | (at_d[:, None] & is_e[None, :])
-            guests = jnp.where(put, e, guests)
+            guests = jnp.where(put, cand[e], guests)
             quotas = jnp.where(put, amount, quotas)
             served = (node_ids[:, None] == node) & is_e[None, :]
             crossing = jnp.maximum(crossing - jnp.where(served, amount.astype(jnp.float32), 0.0), 0.0)
@@ -111,11 +118,11 @@ class TopoEPPlanner(PlannerBase):
                 quotas, crossing
 
         state = (jnp.int32(0),
-                 spill_per_expert(loads, placement, target),
-                 loads,
+                 spill0[cand],
+                 loads[cand],
                  jnp.maximum(target - rank_loads, 0),
                  jnp.zeros(num_ranks, jnp.int32),
-                 one_hot(placement, num_experts).sum(1) > 0,
+                 (one_hot(placement, num_experts).sum(1) > 0)[:, cand],
                  jnp.full((num_ranks, slots), -1, jnp.int32),
                  jnp.zeros((num_ranks, slots), jnp.int32),
                  crossing0)
