@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtopoep.costmodel import ExpertDims, copy_break_even_pairs
-from jtopoep.plan import Plan
+from jtopoep.plan import Plan, home_plan
 from jtopoep.topology import Topology
 
 
@@ -65,7 +65,10 @@ class PlannerBase:
                              f"({self.num_ranks}, {self.num_experts})")
         if placement is None:
             placement = jnp.arange(num_experts, dtype=jnp.int32).reshape(num_ranks, self.home_slots)
-        return self._plan(jnp.asarray(counts, jnp.int32), jnp.asarray(placement, jnp.int32))
+        counts, placement = jnp.asarray(counts, jnp.int32), jnp.asarray(placement, jnp.int32)
+        if self.guest_slots == 0:  # no slot to copy into: every planner reduces to the home plan
+            return home_plan(counts, placement, 0)
+        return self._plan(counts, placement)
 
     def _plan(self, counts, placement) -> Plan:
         raise NotImplementedError
