@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jtopoep.plan import Plan
 from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, guest_quotas_to_slots, home_rank_of_experts,
-                                     node_link_class, one_hot, plan_from_quotas, spill_per_expert)
+                                     locality_swaps, node_link_class, one_hot, plan_from_quotas, spill_per_expert)
 from jtopoep.planners.sinkhorn import sinkhorn
 
 
@@ -70,7 +70,11 @@ class TaotPlanner(PlannerBase):
             feasible = ((amount > 0) & (used < slots)[None, :] & ~holds.T
                         & (amount.astype(jnp.float32) >= threshold))
             moved = amount.astype(jnp.float32)
-            score = jnp.minimum(moved, hint[home]) + moved * link_bonus
+            # The pairs moved, doubled for the share of them the transport plan routes from h to l:
+            # slots go to large moves (each one fills a rank's room or ends an expert's spill), and
+            # among similar moves to the destinations Sinkhorn found cheap.
+            supported = jnp.minimum(moved, jnp.maximum(hint[home], 0.0)) / jnp.maximum(moved, 1.0)
+            score = moved * (1.0 + supported + link_bonus)
             flat = jnp.argmax(jnp.where(feasible, score, -1.0).reshape(-1))
             e, d = flat // num_ranks, flat % num_ranks
             ok = feasible[e, d]
@@ -97,5 +101,8 @@ class TaotPlanner(PlannerBase):
                  self.flow_hint(counts, placement).plan)
         state = carry_like(state, counts)
         state = jax.lax.fori_loop(0, num_ranks * slots, step, state)
-        slot_expert, quota = guest_quotas_to_slots(placement, state[4], state[5], loads)
+        guests, quotas = state[4], state[5]
+        if self.dims is not None:  # the same load-neutral locality swaps as topoep
+            guests, quotas = locality_swaps(counts, placement, guests, quotas, self.topology, self.dims)
+        slot_expert, quota = guest_quotas_to_slots(placement, guests, quotas, loads)
         return plan_from_quotas(counts, slot_expert, quota, self.topology.gpus_per_node, True, jnp)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jtopoep.costmodel import EXCHANGES_PER_LAYER
 from jtopoep.plan import Plan
 from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, guest_quotas_to_slots, home_rank_of_experts,
+                                     locality_swaps,
                                      one_hot, plan_from_quotas, spill_per_expert)
 
 
@@ -64,48 +65,25 @@ class TopoEPPlanner(PlannerBase):
         never = jnp.int32(-1)
 
         def step(state):
-            i, spill, left, room, used, holds, guests, quotas, crossing = state
-            free = (used < slots)[:, None] & ~holds & (room > 0)[:, None]  # [R, E]
-            room_free = jnp.where(free, room[:, None], never).reshape(nodes, gpus, num_cand)
-            best_room = room_free.max(1)  # [N, E]
-            spilling = spill.max() > 0
-            # Spill mode: the expert with the most spill left, to the node that saves the most
-            # inter-node bytes, then takes the most of it.
-            e_s = jnp.argmax(spill)
-            # Preferred: a copy on a remote node takes no more than that node's own crossing pairs
-            # of e, so everything it processes arrives over NVLink; the home node takes any amount.
-            # When no node qualifies that way, fall back to the node that absorbs the most.
-            full = jnp.minimum(spill[e_s], best_room[:, e_s])  # [N]
-            feed = jnp.where(remote[:, e_s], jnp.floor(crossing[:, e_s]).astype(jnp.int32), full)
-            threshold = jnp.where(remote[:, e_s], thr_inter, thr_intra)
-            local_fed = jnp.minimum(full, feed)
-            fed_ok = (local_fed > 0) & (local_fed >= threshold)
-            absorb = jnp.where(fed_ok.any(), local_fed, full)
-            usable = (absorb > 0) & (absorb >= threshold)
-            saved = (jnp.minimum(absorb.astype(jnp.float32), crossing[:, e_s]) * pair_bytes
-                     - jnp.where(remote[:, e_s], copy_bytes, 0.0))
+            i, spill, room, used, holds, guests, quotas, crossing = state
+            e = jnp.argmax(spill)
+            need = spill[e]
+            free = (used < slots) & ~holds[:, e] & (room > 0)  # [R]
+            room_free = jnp.where(free, room, never).reshape(nodes, gpus)
+            absorb = jnp.minimum(need, room_free.max(1))  # [N]
+            usable = (absorb > 0) & (absorb >= jnp.where(remote[:, e], thr_inter, thr_intra))
+            saved = (jnp.minimum(absorb.astype(jnp.float32), crossing[:, e]) * pair_bytes
+                     - jnp.where(remote[:, e], copy_bytes, 0.0))
             key = jnp.where(usable, saved, -jnp.inf)
-            n_s = jnp.argmax(jnp.where(usable & (key == key.max()), absorb, never))
-            # Locality mode (no spill left): a copy on node n of expert e fed by n's own pairs that
-            # now cross, where the bytes saved exceed the weights and gradients shipped. It only
-            # lowers the home rank's load and fills room below T*, so balance is unchanged.
-            take = jnp.minimum(jnp.minimum(crossing, best_room.astype(jnp.float32)),
-                               left[None, :].astype(jnp.float32))
-            gain = jnp.where((best_room > 0) & remote, take * pair_bytes - copy_bytes, -jnp.inf)
-            flat = jnp.argmax(gain.reshape(-1))
-            n_l, e_l = flat // num_cand, flat % num_cand
-            e = jnp.where(spilling, e_s, e_l)
-            node = jnp.where(spilling, n_s, n_l)
-            ok = jnp.where(spilling, usable.any(), gain.reshape(-1)[flat] > 0)
-            d = node * gpus + jnp.argmax(room_free[node, :, e])
-            want = jnp.where(spilling, absorb[node], jnp.floor(take[node, e]).astype(jnp.int32))
-            amount = jnp.where(ok, jnp.minimum(want, room[d]), 0)
+            node = jnp.argmax(jnp.where(usable & (key == key.max()), absorb, never))
+            ok = usable.any()
+            d = node * gpus + jnp.argmax(room_free[node])
+            amount = jnp.where(ok, absorb[node], 0)
             at_d = ok & (rank_ids == d)
             put = at_d[:, None] & (slot_ids[None, :] == used[d])
             is_e = expert_ids == e
             # A spilling expert that cannot be placed anywhere keeps its spill at home.
-            spill = jnp.where(is_e & spilling, jnp.where(ok, spill - amount, 0), spill)
-            left = left - jnp.where(is_e, amount, 0)
+            spill = jnp.where(is_e, jnp.where(ok, need - amount, 0), spill)
             room = room - jnp.where(at_d, amount, 0)
             used = used + at_d.astype(jnp.int32)
             holds = holds | (at_d[:, None] & is_e[None, :])
@@ -113,13 +91,10 @@ class TopoEPPlanner(PlannerBase):
             quotas = jnp.where(put, amount, quotas)
             served = (node_ids[:, None] == node) & is_e[None, :]
             crossing = jnp.maximum(crossing - jnp.where(served, amount.astype(jnp.float32), 0.0), 0.0)
-            done = ~ok & ~spilling
-            return jnp.where(done, num_ranks * slots, i + 1), spill, left, room, used, holds, guests, \
-                quotas, crossing
+            return jnp.where(need > 0, i + 1, num_ranks * slots), spill, room, used, holds, guests, quotas, crossing
 
         state = (jnp.int32(0),
                  spill0[cand],
-                 loads[cand],
                  jnp.maximum(target - rank_loads, 0),
                  jnp.zeros(num_ranks, jnp.int32),
                  (one_hot(placement, num_experts).sum(1) > 0)[:, cand],
@@ -130,7 +105,10 @@ class TopoEPPlanner(PlannerBase):
         # At most one copy per step and R * K slots; the loop also ends once no move is left. The
         # exit test reads only values every device holds identically, so all stop at the same step.
         state = jax.lax.while_loop(lambda st: st[0] < num_ranks * slots, step, state)
-        slot_expert, quota = guest_quotas_to_slots(placement, state[6], state[7], loads)
+        guests, quotas = state[5], state[6]
+        if self.dims is not None:  # swaps are priced in bytes and seconds: they need the expert shape
+            guests, quotas = locality_swaps(counts, placement, guests, quotas, self.topology, self.dims)
+        slot_expert, quota = guest_quotas_to_slots(placement, guests, quotas, loads)
         return plan_from_quotas(counts, slot_expert, quota, gpus, True, jnp)
 
     @property
