@@ -16,7 +16,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.scipy.special import logsumexp
+import numpy as np
 from jaxtyping import Array, Float
+
+ArrayLike = Array | np.ndarray  # host inputs are accepted and moved to the device
 
 
 class SinkhornOutput(NamedTuple):
@@ -35,7 +38,8 @@ class Sinkhorn:
         if not isinstance(self.iterations, int) or self.iterations < 1:
             raise ValueError(f"iterations = {self.iterations!r} must be a positive int")
 
-    def __call__(self, a: Float[Array, " n"], b: Float[Array, " m"], cost: Float[Array, "n m"]) -> SinkhornOutput:
+    def __call__(self, a: Float[ArrayLike, " n"], b: Float[ArrayLike, " m"],
+                 cost: Float[ArrayLike, "n m"]) -> SinkhornOutput:
         return sinkhorn(a, b, cost, self.epsilon, self.iterations)
 
 
@@ -44,8 +48,8 @@ def _safe_lse(x, axis):
     return jnp.where(jnp.isfinite(out), out, 0.0)
 
 
-def sinkhorn(a: Float[Array, " n"], b: Float[Array, " m"], cost: Float[Array, "n m"], epsilon: float,
-             iterations: int) -> SinkhornOutput:
+def sinkhorn(a: Float[ArrayLike, " n"], b: Float[ArrayLike, " m"], cost: Float[ArrayLike, "n m"],
+             epsilon: float, iterations: int) -> SinkhornOutput:
     a = jnp.asarray(a, jnp.float32)
     b = jnp.asarray(b, jnp.float32)
     cost = jnp.asarray(cost, jnp.float32)

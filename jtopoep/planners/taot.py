@@ -55,17 +55,22 @@ class TaotPlanner(PlannerBase):
         loads = counts.sum(0)
         target = ceil_div(loads.sum(), num_ranks)
         rank_loads = loads[placement].sum(1)
-        home = home_rank_of_experts(placement)  # [E]
+        spill0 = spill_per_expert(loads, placement, target)
+        # At most R * K copies are made, each for an expert with spill: the R * K experts with the
+        # most spill are the only candidates, which keeps the loop's cost independent of E.
+        num_cand = min(num_experts, num_ranks * slots)
+        cand = jnp.argsort(-spill0, stable=True)[:num_cand]
+        home = home_rank_of_experts(placement)[cand]  # [C]
         cost = jnp.asarray(self.topology.link_cost())
         thr_intra, thr_inter = self.gain_thresholds()
-        threshold = jnp.where(node_link_class(self.topology)[home], thr_inter, thr_intra)  # [E, R]
-        link_bonus = 1e-3 / (1.0 + cost[home])  # [E, R]
+        threshold = jnp.where(node_link_class(self.topology)[home], thr_inter, thr_intra)  # [C, R]
+        link_bonus = 1e-3 / (1.0 + cost[home])  # [C, R]
         rank_ids = jnp.arange(num_ranks, dtype=jnp.int32)
-        expert_ids = jnp.arange(num_experts, dtype=jnp.int32)
+        expert_ids = jnp.arange(num_cand, dtype=jnp.int32)
         slot_ids = jnp.arange(slots, dtype=jnp.int32)
 
-        def step(_, state):
-            spill, room, used, holds, guests, quotas, hint = state
+        def step(state):
+            i, spill, room, used, holds, guests, quotas, hint = state
             amount = jnp.minimum(spill[:, None], room[None, :])  # [E, R]
             feasible = ((amount > 0) & (used < slots)[None, :] & ~holds.T
                         & (amount.astype(jnp.float32) >= threshold))
@@ -86,22 +91,24 @@ class TaotPlanner(PlannerBase):
             room = room - jnp.where(at_d, taken, 0)
             used = used + at_d.astype(jnp.int32)
             holds = holds | (at_d[:, None] & is_e[None, :])
-            guests = jnp.where(put, e, guests)
+            guests = jnp.where(put, cand[e], guests)
             quotas = jnp.where(put, taken, quotas)
             hint = hint - jnp.where((rank_ids[:, None] == home[e]) & (rank_ids[None, :] == d),
                                     taken.astype(jnp.float32), 0.0)
-            return spill, room, used, holds, guests, quotas, hint
+            return jnp.where(ok, i + 1, num_ranks * slots), spill, room, used, holds, guests, quotas, hint
 
-        state = (spill_per_expert(loads, placement, target),
+        state = (jnp.int32(0),
+                 spill0[cand],
                  jnp.maximum(target - rank_loads, 0),
                  jnp.zeros(num_ranks, jnp.int32),
-                 one_hot(placement, num_experts).sum(1) > 0,
+                 (one_hot(placement, num_experts).sum(1) > 0)[:, cand],
                  jnp.full((num_ranks, slots), -1, jnp.int32),
                  jnp.zeros((num_ranks, slots), jnp.int32),
                  self.flow_hint(counts, placement).plan)
         state = carry_like(state, counts)
-        state = jax.lax.fori_loop(0, num_ranks * slots, step, state)
-        guests, quotas = state[4], state[5]
+        # One copy per step, until no feasible move is left (a test every device evaluates alike).
+        state = jax.lax.while_loop(lambda st: st[0] < num_ranks * slots, step, state)
+        guests, quotas = state[5], state[6]
         if self.dims is not None:  # the same load-neutral locality swaps as topoep
             guests, quotas = locality_swaps(counts, placement, guests, quotas, self.topology, self.dims)
         slot_expert, quota = guest_quotas_to_slots(placement, guests, quotas, loads)
