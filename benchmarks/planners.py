@@ -58,9 +58,12 @@ def latency(topology, counts, min_gain: float, repeats: int) -> dict:
     return out
 
 
-def evaluate(topology, families: dict, num_experts: int, guest_slots: int, min_gain: float) -> dict:
+def evaluate(topology, families: dict, num_experts: int, guest_slots: int, min_gain: float,
+             only: tuple = PLANNERS, overrides: dict | None = None) -> dict:
     rows = {}
-    planners = {name: jax.jit(make(name, topology, num_experts, guest_slots, min_gain)) for name in PLANNERS}
+    overrides = overrides or {}
+    planners = {name: jax.jit(make(name, topology, num_experts, guest_slots, min_gain, **overrides.get(name, {})))
+                for name in only}
     for family, mats in families.items():
         for name, fn in planners.items():
             stats = []
@@ -84,12 +87,41 @@ def evaluate(topology, families: dict, num_experts: int, guest_slots: int, min_g
                 "layer_ms": float(col("layer_ms").mean()),
                 "microbatches": len(stats),
             }
+        if "eplb" not in only:
+            continue
         base = rows[(family, "eplb")]
-        for name in PLANNERS:
+        for name in only:
             row = rows[(family, name)]
             row["inter_bytes_vs_eplb"] = row["inter_bytes"] / base["inter_bytes"] - 1
             row["wcc_vs_eplb"] = row["wcc"] / base["wcc"] - 1
     return rows
+
+
+def sweeps(topology, families: dict, repeats: int) -> dict:
+    """Knob sweeps on E = 256, K = 2 (zipf-1.0 and esft-intent): the figures that chose the defaults."""
+    loads = {k: families[k] for k in ("zipf-1.0", "esft-intent")}
+    out = {"min_gain": [], "sinkhorn": []}
+    for min_gain in (0.0, 0.25, 0.5, 1.0):
+        for name in ("topoep", "taot"):
+            rows = evaluate(topology, loads, 256, 2, min_gain, only=(name,))
+            for family in loads:
+                r = rows[(family, name)]
+                out["min_gain"].append({"planner": name, "min_gain": min_gain, "load": family,
+                                        "imbalance_median": r["imbalance_median"], "layer_ms": r["layer_ms"],
+                                        "inter_bytes": r["inter_bytes"], "wcc": r["wcc"]})
+    sample = jnp.asarray(loads["zipf-1.0"][0])
+    for epsilon in (0.01, 0.05, 0.2, 1.0):
+        for iterations in (10, 20, 50):
+            planner = make("taot", topology, 256, 2, 0.0, epsilon=epsilon, iterations=iterations)
+            rows = evaluate(topology, loads, 256, 2, 0.0, only=("taot",),
+                            overrides={"taot": dict(epsilon=epsilon, iterations=iterations)})
+            error = float(jax.jit(planner.flow_hint)(sample, jnp.arange(256).reshape(32, 8)).marginal_error)
+            out["sinkhorn"].append({
+                "epsilon": epsilon, "iterations": iterations, "marginal_error": error,
+                "latency_us": time_call(jax.jit(planner), sample, repeats) * 1e6,
+                **{f"{family}_{k}": rows[(family, "taot")][k] for family in loads
+                   for k in ("imbalance_median", "wcc", "layer_ms")}})
+    return out
 
 
 def markdown(results: dict) -> str:
@@ -111,13 +143,30 @@ def markdown(results: dict) -> str:
                          f"{row['inter_bytes'] / 1e9:.2f} | {100 * row['inter_bytes_vs_eplb']:+.0f}% | "
                          f"{100 * row['wcc_vs_eplb']:+.0f}% | {row['guest_copies']:.0f} | {row['layer_ms']:.2f} |")
         lines.append("")
+    if "sweeps" in results:
+        lines.append("### Knob sweeps (E = 256, K = 2)")
+        lines.append("")
+        lines.append("| planner | min_gain | load | imbalance median | layer ms | inter-node GB |")
+        lines.append("|---|---|---|---|---|---|")
+        for r in results["sweeps"]["min_gain"]:
+            lines.append(f"| {r['planner']} | {r['min_gain']} | {r['load']} | {r['imbalance_median']:.3f} | "
+                         f"{r['layer_ms']:.2f} | {r['inter_bytes'] / 1e9:.2f} |")
+        lines.append("")
+        lines.append("| taot epsilon | iterations | marginal error | latency us | zipf-1.0 imbalance | zipf-1.0 layer ms "
+                     "| esft-intent imbalance | esft-intent layer ms |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for r in results["sweeps"]["sinkhorn"]:
+            lines.append(f"| {r['epsilon']} | {r['iterations']} | {r['marginal_error']:.1e} | {r['latency_us']:.0f} | "
+                         f"{r['zipf-1.0_imbalance_median']:.3f} | {r['zipf-1.0_layer_ms']:.2f} | "
+                         f"{r['esft-intent_imbalance_median']:.3f} | {r['esft-intent_layer_ms']:.2f} |")
+        lines.append("")
     return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer micro-batches, for a smoke run")
-    parser.add_argument("--min-gain", type=float, default=1.0)
+    parser.add_argument("--min-gain", type=float, default=0.0)
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
     topology = Topology.preset("h800-4x8")
@@ -133,6 +182,8 @@ def main(argv=None) -> dict:
             key = f"E={num_experts}, K={guest_slots}"
             results["settings"][key] = [{"load": f, "planner": p, **r} for (f, p), r in rows.items()]
             print(key, "done", flush=True)
+    if not args.quick:
+        results["sweeps"] = sweeps(topology, all_families(topology.num_ranks, 256, TOKENS_PER_RANK, True), 100)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "planners.json").write_text(json.dumps(results, indent=1))
     (args.out / "planners.md").write_text(markdown(results))

@@ -132,3 +132,20 @@ def layer_time(plan: Plan, topology: Topology, dims: ExpertDims, placement,
     total = gemm + exchange + weights + planning_s
     return {"gemm_s": gemm, "exchange_s": exchange, "weights_s": weights, "planning_s": planning_s,
             "total_s": total}
+
+
+def ideal_layer_time(plan: Plan, topology: Topology, dims: ExpertDims) -> dict[str, float]:
+    """The bound no planner can beat without moving home experts: the plan's pairs spread evenly
+    over the ranks (ceil(sum / R) each) and its token traffic of each link class spread evenly too,
+    with no weight transfer and no planning."""
+    route = np.asarray(plan.route).astype(np.float64)
+    num_ranks = route.shape[0]
+    rate = topology.flops * topology.mfu
+    gemm = float(np.ceil(route.sum() / num_ranks) * dims.pair_flops / rate)
+    cls = link_class(topology)
+    pairs = route.sum(axis=2)
+    intra = pairs[cls == 1].sum() / num_ranks * dims.pair_bytes / topology.intra_bw
+    inter = pairs[cls == 2].sum() / num_ranks * dims.pair_bytes / topology.inter_bw
+    latency = topology.inter_latency if pairs[cls == 2].any() else (topology.intra_latency if pairs[cls == 1].any() else 0.0)
+    exchange = EXCHANGES_PER_LAYER * (max(intra, inter) + latency)
+    return {"gemm_s": gemm, "exchange_s": exchange, "weights_s": 0.0, "planning_s": 0.0, "total_s": gemm + exchange}

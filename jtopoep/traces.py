@@ -118,7 +118,17 @@ def sample_counts(p: np.ndarray, num_ranks: int, tokens_per_rank: int, top_k: in
                   rng: np.random.Generator) -> np.ndarray:
     """int32 [R, E]: each rank routes tokens_per_rank * top_k pairs drawn from distribution p."""
     p = _cap_probabilities(np.asarray(p, np.float64), top_k)
-    return rng.multinomial(tokens_per_rank * top_k, p, size=num_ranks).astype(np.int32)
+    counts = rng.multinomial(tokens_per_rank * top_k, p, size=num_ranks)
+    for row in counts:
+        # A draw can still give an expert more pairs than there are tokens; hand the excess to the
+        # experts with room, in proportion to their share, until no expert exceeds one per token.
+        while (row > tokens_per_rank).any():
+            excess = np.maximum(row - tokens_per_rank, 0)
+            row -= excess
+            room = row < tokens_per_rank
+            weights = np.where(room, p, 0.0)
+            row += rng.multinomial(excess.sum(), weights / weights.sum())
+    return counts.astype(np.int32)
 
 
 def zipf_probabilities(num_experts: int, s: float, rng: np.random.Generator) -> np.ndarray:

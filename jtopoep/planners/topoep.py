@@ -74,8 +74,12 @@ class TopoEPPlanner(PlannerBase):
             usable = (absorb > 0) & (absorb >= jnp.where(remote[:, e], thr_inter, thr_intra))
             saved = (jnp.minimum(absorb.astype(jnp.float32), crossing[:, e]) * pair_bytes
                      - jnp.where(remote[:, e], copy_bytes, 0.0))
+            # Nodes within 10% of the best saving count as equally good for traffic; among them the
+            # one that absorbs the most, so that each copy fills a rank (few slots, good balance).
             key = jnp.where(usable, saved, -jnp.inf)
-            node = jnp.argmax(jnp.where(usable & (key == key.max()), absorb, never))
+            best = key.max()
+            near = usable & (key >= best - 0.1 * jnp.abs(best))
+            node = jnp.argmax(jnp.where(near, absorb, never))
             ok = usable.any()
             d = node * gpus + jnp.argmax(room_free[node])
             amount = jnp.where(ok, absorb[node], 0)

@@ -1,0 +1,261 @@
+"""Projected cluster throughput of each planner on real routing: python -m benchmarks.cluster
+
+For each model preset and planner, every MoE layer of a micro-batch is planned on counts from real
+routing traces (mapped onto the preset's experts and the mesh), and its forward+backward time is
+projected with jtopoep.costmodel; the non-MoE part of the step comes from the model's dimensions.
+These are projections from a cost model, not GPU measurements.
+
+Planners: none, eplb (per micro-batch, on device), eplb_host (host EPLB re-planned every --window
+micro-batches from the mean of the last window's loads, as deployed systems do), topoep, taot, and
+ideal (the baseline's pairs and token traffic spread perfectly evenly over the ranks, with no
+planning or weight-transfer cost: costmodel.ideal_layer_time).
+Planning latency: the planner benchmark's jitted CPU median (benchmarks/results/planners.json),
+stated as a CPU figure until a GPU one exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+from jtopoep import traces
+from jtopoep.config import CONFIG_DIR, ModelConfig, section_from_dict
+from jtopoep.costmodel import ExpertDims, ideal_layer_time, layer_time
+from jtopoep.plan import home_plan
+from jtopoep.planners import get_planner
+from jtopoep.planners.common import even_quotas, plan_from_quotas
+from jtopoep.planners.eplb import _eplb_slots
+from jtopoep.topology import Topology
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+MODELS = ("mixtral-8x7b", "deepseek-v2-lite", "qwen1.5-moe", "deepseek-v3")
+PLANNERS = ("none", "eplb", "eplb_host", "topoep", "taot", "ideal")
+TOKENS_PER_GPU = 4096  # one 4096-token sequence per GPU per micro-batch
+
+
+def load_model(name: str) -> ModelConfig:
+    return section_from_dict("model", ModelConfig, yaml.safe_load((CONFIG_DIR / "models" / f"{name}.yaml").read_text()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Deployment:
+    """How a model's experts map onto R expert-parallel ranks.
+
+    Fewer experts than ranks (Mixtral: 8 on 32): each expert is split into R / E slices of its hidden
+    width (expert-tensor parallelism, as Megatron-Core's ETP), and a routed pair visits every slice.
+    Experts not divisible by R (Qwen1.5-MoE: 60): padded with experts that receive no tokens."""
+    model: ModelConfig
+    num_ranks: int
+
+    @property
+    def slices(self) -> int:
+        return max(1, self.num_ranks // self.model.num_experts)
+
+    @property
+    def num_experts(self) -> int:  # experts as the planner sees them
+        e = self.model.num_experts * self.slices
+        return -(-e // self.num_ranks) * self.num_ranks
+
+    @property
+    def dims(self) -> ExpertDims:
+        return ExpertDims(self.model.d_model, self.model.expert_hidden // self.slices, self.model.param_bytes)
+
+    def expand(self, counts: np.ndarray) -> np.ndarray:
+        """[R, E_model] counts -> [R, E_planner]: slices repeat their expert's pairs; padding is empty."""
+        out = np.zeros((counts.shape[0], self.num_experts), np.int32)
+        out[:, : self.model.num_experts * self.slices] = np.repeat(counts, self.slices, axis=1)
+        return out
+
+
+def model_traces(model: str, num_ranks: int, steps: int, recorded: str | None) -> np.ndarray:
+    """int32 [M, layers, R, E_model] micro-batches of real routing for the model's MoE layers."""
+    cfg = load_model(model)
+    pairs = TOKENS_PER_GPU * cfg.top_k
+    layers = cfg.num_moe_layers
+    if recorded:
+        rec = traces.load_recorded(recorded)  # [steps, layers, r, e]
+        totals = rec.sum(2)  # expert loads per step and layer
+        per = [[traces.olmoe_microbatches(totals[m % len(totals), l % totals.shape[1]], num_ranks, TOKENS_PER_GPU,
+                                          cfg.top_k, 1, num_experts=cfg.num_experts if cfg.num_experts % totals.shape[2] == 0
+                                          else None, seed=m * 1000 + l)[0] for l in range(layers)] for m in range(steps)]
+        return np.asarray(per, np.int32)
+    if model == "mixtral-8x7b":
+        totals = traces.load_olmoe("mistral", "arxiv")  # Mixtral's own routing, layers (0, 7, 15)
+        return np.stack([np.stack([traces.olmoe_microbatches(totals[l % 3], num_ranks, TOKENS_PER_GPU, cfg.top_k, 1,
+                                                             seed=m * 100 + l)[0] for l in range(layers)])
+                         for m in range(steps)])
+    if model == "qwen1.5-moe":
+        totals = traces.load_olmoe("olmoe", "c4")  # 64 experts: Qwen's 60 padded to 64 take these shares
+        mats = np.stack([np.stack([traces.olmoe_microbatches(totals[l % 3], num_ranks, TOKENS_PER_GPU, cfg.top_k, 1,
+                                                             seed=m * 100 + l)[0] for l in range(layers)])
+                         for m in range(steps)])
+        return mats[..., : cfg.num_experts]
+    samples = traces.load_esft("intent")
+    out = []
+    for m in range(steps):
+        per_layer = []
+        for l in range(layers):
+            batches = traces.esft_microbatches(samples, num_ranks, 1 + l % (samples.shape[1] - 1),
+                                               num_experts=cfg.num_experts)
+            per_layer.append(traces.scale_counts(batches[m % len(batches)], pairs))
+        out.append(np.stack(per_layer))
+    return np.stack(out)
+
+
+def non_moe_seconds(cfg: ModelConfig, topology: Topology) -> float:
+    """Forward+backward seconds per micro-batch of everything but routed experts, per GPU:
+    attention projections 8 D^2 and scores 2 L D FLOPs per token (causal), shared experts and dense
+    FFN layers 6 D F, embedding and head 2 D V; x3 for the backward pass."""
+    d, length = cfg.d_model, cfg.seq_len
+    per_token = cfg.num_layers * (8 * d * d + 2 * length * d)
+    per_token += cfg.num_moe_layers * 6 * d * cfg.shared_experts * cfg.expert_hidden
+    per_token += (cfg.num_layers - cfg.num_moe_layers) * 6 * d * cfg.dense_hidden
+    per_token += 2 * d * cfg.vocab_size
+    return 3 * per_token * TOKENS_PER_GPU / (topology.flops * topology.mfu)
+
+
+def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, mats: np.ndarray,
+            window: int, min_gain: float) -> dict:
+    cfg = load_model(model)
+    dep = Deployment(cfg, topology.num_ranks)
+    dims = dep.dims
+    placement = np.arange(dep.num_experts).reshape(topology.num_ranks, -1)
+    planners = {name: jax.jit(get_planner(name, topology=topology, num_experts=dep.num_experts,
+                                          guest_slots=0 if name == "none" else guest_slots, min_gain=min_gain,
+                                          dims=dims))
+                for name in ("none", "eplb", "topoep", "taot")}
+    terms = ("gemm_s", "exchange_s", "weights_s", "planning_s")
+    totals = {p: dict.fromkeys(terms, 0.0) for p in PLANNERS}
+    history = []
+    for m, micro in enumerate(mats):
+        for layer, raw in enumerate(micro):
+            counts = dep.expand(raw)
+            history.append((layer, counts))
+            for name, fn in planners.items():
+                plan = jax.device_get(fn(counts))
+                t = layer_time(plan, topology, dims, placement, latency_s.get(name, 0.0) if name != "none" else 0.0)
+                for k in terms:
+                    totals[name][k] += t[k]
+            # eplb_host: placement from the mean of the previous window's loads of this layer.
+            past = [c for (l, c) in history[:-1] if l == layer][-window:]
+            basis = np.mean(past, axis=0).astype(np.int32) if past else counts
+            slot_expert, _ = _eplb_slots(basis, placement, guest_slots, 0.0, np)
+            quota = even_quotas(slot_expert, counts.sum(0).astype(np.int32), np)
+            plan = plan_from_quotas(counts, slot_expert, quota, topology.gpus_per_node, False, np)
+            t = layer_time(plan, topology, dims, placement, latency_s.get("eplb_host", 0.0) / window)
+            for k in terms:
+                totals["eplb_host"][k] += t[k]
+            ideal = ideal_layer_time(home_plan(jnp.asarray(counts), jnp.asarray(placement), 0), topology, dims)
+            for k in terms:
+                totals["ideal"][k] += ideal[k]
+    steps = len(mats)
+    non_moe = non_moe_seconds(cfg, topology)
+    rows = {}
+    for name in PLANNERS:
+        per_step = {k: v / steps for k, v in totals[name].items()}
+        step_s = sum(per_step.values()) + non_moe
+        rows[name] = {**per_step, "non_moe_s": non_moe, "step_s": step_s,
+                      "tokens_per_s": TOKENS_PER_GPU * topology.num_ranks / step_s}
+    base = rows["none"]["tokens_per_s"]
+    ideal_gain = rows["ideal"]["tokens_per_s"] / base - 1
+    for name in PLANNERS:
+        rows[name]["gain_vs_none"] = rows[name]["tokens_per_s"] / base - 1
+        rows[name]["share_of_ideal_gain"] = rows[name]["gain_vs_none"] / ideal_gain if ideal_gain > 0 else 1.0
+    return rows
+
+
+def planning_latency(path: pathlib.Path) -> dict:
+    if path.exists():
+        lat = json.loads(path.read_text()).get("latency_us", {})
+        return {k: v * 1e-6 for k, v in lat.items()}
+    raise FileNotFoundError(f"{path} is missing: run python -m benchmarks.planners first (it measures planning latency)")
+
+
+def markdown(results: dict) -> str:
+    lines = ["Projected from the cost model (jtopoep/costmodel.py) on real routing; planning latency is the "
+             f"jitted CPU median from the planner benchmark. Not GPU measurements.", ""]
+    for setting, models in results["settings"].items():
+        lines.append(f"### {setting}")
+        lines.append("")
+        lines.append("| model | planner | tokens/s | vs none | share of ideal gain | MoE GEMM ms | exchange ms | "
+                     "weights ms | planning ms | non-MoE ms |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        for model, rows in models.items():
+            for name, r in rows.items():
+                lines.append(f"| {model} | {name} | {r['tokens_per_s']:,.0f} | {100 * r['gain_vs_none']:+.1f}% | "
+                             f"{100 * r['share_of_ideal_gain']:.0f}% | {1e3 * r['gemm_s']:.1f} | "
+                             f"{1e3 * r['exchange_s']:.1f} | {1e3 * r['weights_s']:.1f} | {1e3 * r['planning_s']:.2f} | "
+                             f"{1e3 * r['non_moe_s']:.1f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = results["settings"][results["headline"]]
+    fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 4.5), sharey=False)
+    terms = [("non_moe_s", "non-MoE"), ("gemm_s", "MoE GEMM"), ("exchange_s", "token exchange"),
+             ("weights_s", "guest weights"), ("planning_s", "planning")]
+    for ax, (model, rows) in zip(np.atleast_1d(axes), models.items()):
+        bottom = np.zeros(len(rows))
+        for key, label in terms:
+            values = np.array([1e3 * r[key] for r in rows.values()])
+            ax.bar(list(rows), values, bottom=bottom, label=label)
+            bottom += values
+        ax.set_title(model)
+        ax.set_ylabel("projected step ms (fwd+bwd, one micro-batch)")
+        ax.tick_params(axis="x", rotation=45)
+    np.atleast_1d(axes)[0].legend(fontsize=8)
+    fig.suptitle(f"{results['topology']}, {results['headline']} (cost-model projection)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--topology", default="h800-4x8")
+    parser.add_argument("--model", action="append", choices=MODELS, help="repeatable; default: all presets")
+    parser.add_argument("--trace", help="a routing trace recorded by the trainer (counts.npz)")
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--window", type=int, default=8, help="eplb_host re-planning period and window")
+    parser.add_argument("--min-gain", type=float, default=0.0)
+    parser.add_argument("--no-sensitivity", action="store_true")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    models = args.model or list(MODELS)
+    latency = planning_latency(RESULTS / "planners.json")
+    base_topology = Topology.preset(args.topology)
+    settings = [("K=2", base_topology, 2)]
+    if not args.no_sensitivity:
+        settings += [("K=1", base_topology, 1), ("K=4", base_topology, 4),
+                     ("K=2, inter-node bandwidth x0.5", dataclasses.replace(base_topology, inter_bw=base_topology.inter_bw / 2), 2),
+                     ("K=2, inter-node bandwidth x2", dataclasses.replace(base_topology, inter_bw=base_topology.inter_bw * 2), 2)]
+    mats = {m: model_traces(m, base_topology.num_ranks, args.microbatches, args.trace) for m in models}
+    results = {"topology": args.topology, "tokens_per_gpu": TOKENS_PER_GPU, "min_gain": args.min_gain,
+               "planning_latency_s": latency, "headline": "K=2", "settings": {}}
+    for label, topology, k in settings:
+        results["settings"][label] = {m: project(m, topology, k, latency, mats[m], args.window, args.min_gain)
+                                      for m in models}
+        print(label, "done", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cluster.json").write_text(json.dumps(results, indent=1))
+    (args.out / "cluster.md").write_text(markdown(results))
+    plot(results, args.out / "cluster.png")
+    print(markdown(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Metrics and cost model against hand computations."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jtopoep.costmodel import ExpertDims, copy_break_even_pairs, layer_time
+from jtopoep.metrics import counts_imbalance, imbalance, inter_node_pairs, summarize
+from jtopoep.plan import Plan, contiguous_placement, home_plan
+from jtopoep.topology import Topology
+
+TOPO = Topology(num_nodes=2, gpus_per_node=2, intra_bw=100e9, inter_bw=25e9, intra_latency=1e-6,
+                inter_latency=5e-6, flops=1e15, mfu=0.5)
+DIMS = ExpertDims(d_model=1000, expert_hidden=2000, bytes_per_element=2)
+PLACEMENT = np.arange(8).reshape(4, 2)
+
+
+def plan_of(counts, guest_slots=0):
+    return home_plan(jnp.asarray(counts), contiguous_placement(4, 8), guest_slots)
+
+
+def test_summarize_home_plan_on_zipf():
+    rng = np.random.default_rng(0)
+    p = 1.0 / np.arange(1, 9) ** 1.0
+    counts = rng.multinomial(1000, p / p.sum(), size=4).astype(np.int32)
+    s = summarize(plan_of(counts), counts, TOPO, DIMS)
+    loads = counts.sum(0).reshape(4, 2).sum(1)  # experts 2r, 2r+1 live on rank r
+    assert s["imbalance"] == pytest.approx(loads.max() / loads.mean())
+    assert s["imbalance"] == s["imbalance_before"]
+    assert s["imbalance_lower_bound"] == pytest.approx(np.ceil(4000 / 4) / 1000)
+    nodes = loads.reshape(2, 2).sum(1)
+    assert s["node_imbalance"] == pytest.approx(nodes.max() / nodes.mean())
+    # pairs by link class: source s to expert e on rank e // 2
+    local = sum(counts[r, 2 * r:2 * r + 2].sum() for r in range(4))
+    inter = sum(counts[r, e] for r in range(4) for e in range(8) if r // 2 != e // 4)
+    assert s["local_pairs"] == local and s["inter_pairs"] == inter
+    assert s["intra_pairs"] == 4000 - local - inter
+    assert s["inter_token_bytes"] == inter * 1000 * 2 * 4
+    assert s["wcc"] == pytest.approx((s["intra_pairs"] * 1 + inter * 4.0) * 1000 * 2 * 4)
+    assert s["guest_copies"] == 0 and s["wcc_weights"] == 0
+    assert float(imbalance(plan_of(counts))) == pytest.approx(s["imbalance"], rel=1e-6)
+    assert float(counts_imbalance(jnp.asarray(counts), jnp.asarray(PLACEMENT))) == pytest.approx(s["imbalance"], rel=1e-6)
+    assert int(inter_node_pairs(plan_of(counts), 2)) == inter
+
+
+def test_guest_weight_traffic():
+    counts = np.zeros((4, 8), np.int32)
+    counts[:, 0] = 10
+    plan = plan_of(counts, guest_slots=1)
+    slot_expert = np.array(plan.slot_expert)
+    route = np.array(plan.route)
+    slot_expert[3, 2] = 0  # a copy of expert 0 (home rank 0, node 0) on rank 3 (node 1)
+    route[3, 0, 0], route[3, 3, 2] = 0, 10  # rank 3's own pairs stay on rank 3
+    s = summarize(Plan(slot_expert, route), counts, TOPO, DIMS)
+    assert s["inter_guest_copies"] == 1 and s["inter_weight_bytes"] == 2 * 3 * 1000 * 2000 * 2
+    assert s["inter_pairs"] == 10  # rank 2's pairs still cross to rank 0
+
+
+def test_break_even():
+    intra, inter = copy_break_even_pairs(TOPO, DIMS)
+    per_pair = 18 * 1000 * 2000 / (1e15 * 0.5)
+    assert intra == pytest.approx(2 * 3 * 1000 * 2000 * 2 / 100e9 / per_pair)
+    assert inter == pytest.approx(4 * intra)
+
+
+def test_cost_model_balanced_load():
+    """Every rank sends 10 pairs to every other rank and keeps 10: balanced, both link classes."""
+    counts = np.full((4, 8), 5, np.int32)
+    t = layer_time(plan_of(counts), TOPO, DIMS, PLACEMENT)
+    gemm = 40 * 18 * 1000 * 2000 / 5e14
+    assert t["gemm_s"] == pytest.approx(gemm)
+    # per rank: 10 pairs to its node peer (intra), 20 to the other node (inter), each way
+    per_rank = max(10 * 2000 / 100e9, 20 * 2000 / 25e9)
+    assert t["exchange_s"] == pytest.approx(4 * (per_rank + 5e-6))
+    assert t["weights_s"] == 0
+    assert t["total_s"] == pytest.approx(gemm + t["exchange_s"])
+
+
+def test_cost_model_one_hot_rank():
+    """All pairs go to rank 0's expert 0; sources on node 1 send across nodes."""
+    counts = np.zeros((4, 8), np.int32)
+    counts[:, 0] = [7, 7, 7, 7]
+    t = layer_time(plan_of(counts), TOPO, DIMS, PLACEMENT)
+    assert t["gemm_s"] == pytest.approx(28 * 18 * 1000 * 2000 / 5e14)
+    # rank 0 receives 7 intra (rank 1) and 14 inter (ranks 2, 3)
+    assert t["exchange_s"] == pytest.approx(4 * (max(7 * 2000 / 100e9, 14 * 2000 / 25e9) + 5e-6))
+
+
+def test_cost_model_all_inter_node_and_exposed_weights():
+    """Rank 2 (node 1) sends all its pairs to rank 0 (node 0); a guest copy with nothing to hide behind."""
+    counts = np.zeros((4, 8), np.int32)
+    counts[2, 0] = 100
+    plan = plan_of(counts, guest_slots=1)
+    slot_expert = np.array(plan.slot_expert)
+    slot_expert[3, 2] = 0  # an (idle) copy of expert 0 on rank 3: its weights cost time, exposed
+    t = layer_time(Plan(slot_expert, np.array(plan.route)), TOPO, DIMS, PLACEMENT, planning_s=1e-4)
+    assert t["exchange_s"] == pytest.approx(4 * (100 * 2000 / 25e9 + 5e-6))
+    weight = 3 * 1000 * 2000 * 2 / 25e9
+    # Rank 3 has no home work to hide the weights (forward) or the gradients (backward) behind.
+    assert t["weights_s"] == pytest.approx(weight + weight)
+    assert t["planning_s"] == 1e-4
+    assert t["total_s"] == pytest.approx(t["gemm_s"] + t["exchange_s"] + t["weights_s"] + 1e-4)
+
+
+def test_ideal_layer_time_spreads_compute_and_traffic():
+    from jtopoep.costmodel import ideal_layer_time
+
+    counts = np.zeros((4, 8), np.int32)
+    counts[:, 0] = [7, 7, 7, 7]
+    t = ideal_layer_time(plan_of(counts), TOPO, DIMS)
+    assert t["gemm_s"] == pytest.approx(7 * 18 * 1000 * 2000 / 5e14)
+    # 7 intra and 14 inter pairs in all, a quarter of each per rank
+    assert t["exchange_s"] == pytest.approx(4 * (max(7 / 4 * 2000 / 100e9, 14 / 4 * 2000 / 25e9) + 5e-6))
+    assert t["total_s"] == pytest.approx(t["gemm_s"] + t["exchange_s"])
