@@ -31,7 +31,7 @@ from jtopoep.costmodel import ExpertDims, ideal_layer_time, layer_time
 from jtopoep.plan import home_plan
 from jtopoep.planners import get_planner
 from jtopoep.planners.common import even_quotas, plan_from_quotas
-from jtopoep.planners.eplb import _eplb_slots
+from jtopoep.planners.eplb import eplb_slots
 from jtopoep.topology import Topology
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -146,7 +146,7 @@ def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, m
             # eplb_host: placement from the mean of the previous window's loads of this layer.
             past = [c for (l, c) in history[:-1] if l == layer][-window:]
             basis = np.mean(past, axis=0).astype(np.int32) if past else counts
-            slot_expert, _ = _eplb_slots(basis, placement, guest_slots, 0.0, np)
+            slot_expert, _ = eplb_slots(basis, placement, guest_slots, 0.0, np)
             quota = even_quotas(slot_expert, counts.sum(0).astype(np.int32), np)
             plan = plan_from_quotas(counts, slot_expert, quota, topology.gpus_per_node, False, np)
             t = layer_time(plan, topology, dims, placement, latency_s.get("eplb_host", 0.0) / window)
@@ -214,9 +214,10 @@ def plot(results: dict, path: pathlib.Path) -> None:
             ax.bar(list(rows), values, bottom=bottom, label=label)
             bottom += values
         ax.set_title(model)
+        ax.margins(y=0.08)
         ax.set_ylabel("projected step ms (fwd+bwd, one micro-batch)")
         ax.tick_params(axis="x", rotation=45)
-    np.atleast_1d(axes)[0].legend(fontsize=8)
+    np.atleast_1d(axes)[-1].legend(fontsize=8, loc="upper right")
     fig.suptitle(f"{results['topology']}, {results['headline']} (cost-model projection)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -22,7 +22,7 @@ from jtopoep.plan import Plan
 from jtopoep.planners.common import PlannerBase, carry_like, even_quotas, one_hot, plan_from_quotas
 
 
-def _eplb_slots(counts, placement, guest_slots: int, min_pairs: float, xp):
+def eplb_slots(counts, placement, guest_slots: int, min_pairs: float, xp):
     num_ranks, home = placement.shape
     num_experts = counts.shape[1]
     loads = counts.sum(0).astype(xp.int32)
@@ -65,7 +65,7 @@ def _eplb_slots(counts, placement, guest_slots: int, min_pairs: float, xp):
 @dataclasses.dataclass(frozen=True)
 class EplbPlanner(PlannerBase):
     def _plan(self, counts, placement) -> Plan:
-        slot_expert, quota = _eplb_slots(counts, placement, self.guest_slots, self.gain_thresholds()[0], jnp)
+        slot_expert, quota = eplb_slots(counts, placement, self.guest_slots, self.gain_thresholds()[0], jnp)
         return plan_from_quotas(counts, slot_expert, quota, self.topology.gpus_per_node, False, jnp)
 
 
@@ -75,6 +75,6 @@ def eplb_host(planner: EplbPlanner, counts, placement=None) -> Plan:
     if placement is None:
         placement = np.arange(planner.num_experts, dtype=np.int32).reshape(planner.num_ranks, -1)
     placement = np.asarray(jax.device_get(placement)).astype(np.int32)
-    slot_expert, quota = _eplb_slots(counts, placement, planner.guest_slots, planner.gain_thresholds()[0], np)
+    slot_expert, quota = eplb_slots(counts, placement, planner.guest_slots, planner.gain_thresholds()[0], np)
     plan = plan_from_quotas(counts, slot_expert, quota, planner.topology.gpus_per_node, False, np)
     return jax.device_put(plan)

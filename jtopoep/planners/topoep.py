@@ -2,19 +2,25 @@
 
 1. loads L_e, home rank loads W_r, target T* = ceil(sum L / R);
 2. spill: each rank above T* sheds its excess, attributed to its home experts hottest first;
-3. one copy per step (R * K steps, a static trip count), for the expert with the most spill left:
-   inter-node choice: the node whose best free rank leaves the least spill unplaced (balance first),
-   then the largest inter-node bytes saved (that node's own pairs of the expert that stop crossing
-   the scale-out link, minus the weights and gradients that must cross it), first index on ties;
-   intra-node refinement: within that node, the rank with the most room below T* (least loaded) that
-   has a free guest slot and does not hold the expert yet;
-   the copy takes min(spill left, room), i.e. light ranks are water-filled up to T*. A copy must pass
-   the min-gain test for its link class, else the expert's remaining spill stays home;
-4. each home slot keeps what its copies do not take; sources feed copies on their own rank, then
-   their own node, then anywhere (planners.common.route_to_copies).
+3. one copy per step, for the expert with the most spill left (at most R * K steps, ending early
+   once no spill is left):
+   inter-node choice: for each node, its best free rank (most room below T*, a free guest slot, not
+   holding the expert) could absorb min(spill, room) pairs; the node that saves the most inter-node
+   bytes (its own pairs of the expert that stop crossing the scale-out link, minus the weights and
+   gradients that must cross it) wins, and among nodes within 10% of that saving the one that absorbs
+   the most, so each copy fills a rank or ends the spill (few slots, balance at the bound);
+   intra-node refinement: within that node, the least-loaded free rank (most room);
+   a copy must pass the min-gain test for its link class, else the expert's remaining spill stays home;
+4. load-neutral locality swaps fill free slots where they save inter-node bytes (common.locality_swaps);
+5. each home slot keeps what its copies do not take; sources feed copies on their own rank, then
+   their own node, then anywhere (common.route_to_copies).
 
-Every quantity is an integer except the inter-node bytes score, a float32 computed identically
-everywhere; ties go to the lowest index, so every device computes the same plan bit for bit.
+Every quantity is an integer except the bytes-saved score, a float32 computed identically everywhere;
+ties go to the lowest index, so every device computes the same plan bit for bit.
+
+Deviation from the design's two separate phases (all copies to nodes, then vmapped per-node GPU
+choice): node and GPU are chosen in the same step, because the GPU's remaining room decides how much
+the node can absorb, which is what the next copy's node choice depends on.
 """
 
 from __future__ import annotations

