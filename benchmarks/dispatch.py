@@ -25,7 +25,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--gpus", type=int, default=4)
     parser.add_argument("--backend", default="auto", choices=("auto", "ragged", "dense"))
-    parser.add_argument("--tokens", type=int, default=512, help="tokens per rank")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per rank")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -47,7 +47,7 @@ def main(argv=None) -> dict:
     backend = resolve_backend(args.backend)
     topology = Topology(num_nodes=args.nodes, gpus_per_node=args.gpus)
     mesh = make_mesh(topology)
-    experts, top_k, d_model, hidden = 4 * ranks, 4, 256, 512
+    experts, top_k, d_model, hidden = 4 * ranks, 4, 128, 256
     rng = np.random.default_rng(0)
     p = 1.0 / np.arange(1, experts + 1) ** 1.2  # Zipf-skewed routing, hot experts on the first ranks
     tokens = ranks * args.tokens

@@ -103,10 +103,29 @@ def test_topoep_reaches_lower_bound_on_a_hot_rank():
     counts = np.ones((R, 16), np.int32)
     counts[:, 0] = 15
     counts[:, 1] = 15
-    planner = jitted("topoep", 16, 2)[1]
-    plan = planner(counts)
+    # Without expert dimensions copies are free: pure balancing reaches the bound.
+    plan = get_planner("topoep", topology=TOPO, num_experts=16, guest_slots=2)(counts)
     check_plan(plan, counts)
     loads_ = np.asarray(plan.route).sum((0, 2))
     assert loads_.max() == -(-counts.sum() // R)
     summary = summarize(plan, counts, TOPO, DIMS)
     assert summary["imbalance"] == pytest.approx(summary["imbalance_lower_bound"])
+
+
+@pytest.mark.parametrize("name", ["topoep", "taot"])
+def test_copies_must_pay_for_exposed_transfers(name):
+    """With real expert shapes, 120 pairs save ~nothing next to shipping a 3 x 4096 x 14336 expert:
+    the cost model refuses every copy. With 100x the pairs the same hot rank is worth relieving."""
+    from jtopoep.costmodel import ExpertDims
+    big = ExpertDims(d_model=4096, expert_hidden=14336, bytes_per_element=2)
+    counts = np.ones((R, 16), np.int32)
+    counts[:, :2] = 15
+    planner = get_planner(name, topology=TOPO, num_experts=16, guest_slots=2, dims=big)
+    plan = planner(counts)
+    check_plan(plan, counts)
+    assert (np.asarray(plan.slot_expert)[:, 2:] == -1).all()
+    heavy = counts * 100_000
+    plan = planner(heavy)
+    check_plan(plan, heavy)
+    assert (np.asarray(plan.slot_expert)[:, 2:] >= 0).any()
+    assert imbalance(plan) < imbalance(get_planner("none", topology=TOPO, num_experts=16, guest_slots=0)(heavy))

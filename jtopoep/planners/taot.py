@@ -3,12 +3,15 @@
 1. supply a_r = max(W_r - mean W, 0) on overloaded ranks, demand b_r = max(mean W - W_r, 0) on light
    ranks (equal totals); cost M = topology.link_cost();
 2. log-domain Sinkhorn (fixed epsilon and iteration count) gives a rank-to-rank flow hint F[h, l];
-3. integer replica matching, one guest copy per step (R * K steps): over every (spilling expert e with
-   home rank h, light rank l with a free slot not holding e) pair, take the best score
-       min(spill left of e, room left on l, F left on (h, l)) + 1e-3 * min(spill, room) / (1 + M[h, l])
-   (the flow hint first; where the hint is spent, the cheapest link for the largest move), move
-   min(spill, room) pairs there, and charge them against F[h, l]. Copies that fail the min-gain test
-   for their link class are never matched;
+3. integer replica matching, one guest copy per step (at most R * K steps, ending when no move is
+   left), over the R * K experts with the most spill: for every (spilling expert e with home rank h,
+   light rank l with a free slot not holding e) pair, the move is m = min(spill left of e, room left
+   on l) and its score m * (1 + min(m, F left on (h, l)) / m + 1e-3 / (1 + M[h, l])): large moves
+   first (each fills a rank or ends a spill, so few slots reach the balance bound), doubled for the
+   share the transport plan supports, the cheaper link on ties; the best move is made and charged
+   against F[h, l]. Copies that fail the min-gain test
+   for their link class, or expose more weight-transfer time than the GEMM time they save (the same
+   common.TransferClock rule as topoep), are never matched;
 4. home slots keep what their copies do not take; token routing is the locality-tiered routing
    shared with topoep (planners.common.route_to_copies).
 
@@ -25,7 +28,8 @@ import jax.numpy as jnp
 
 from jtopoep.plan import Plan
 from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, guest_quotas_to_slots, home_rank_of_experts,
-                                     locality_swaps, node_link_class, one_hot, plan_from_quotas, spill_per_expert)
+                                     TransferClock, clock_after_copy, copy_exposure, locality_swaps,
+                                     node_link_class, transfer_costs, one_hot, plan_from_quotas, spill_per_expert)
 from jtopoep.planners.sinkhorn import sinkhorn
 
 
@@ -68,16 +72,20 @@ class TaotPlanner(PlannerBase):
         thr_intra, thr_inter = self.gain_thresholds()
         threshold = jnp.where(node_link_class(self.topology)[home], thr_inter, thr_intra)  # [C, R]
         link_bonus = 1e-3 / (1.0 + cost[home])  # [C, R]
+        link_s, pair_fwd_s, pair_s = transfer_costs(self.topology, self.dims)
+        link = link_s[home]  # [C, R] seconds to ship each candidate to each rank
         rank_ids = jnp.arange(num_ranks, dtype=jnp.int32)
         expert_ids = jnp.arange(num_cand, dtype=jnp.int32)
         slot_ids = jnp.arange(slots, dtype=jnp.int32)
 
         def step(state):
-            i, spill, room, used, holds, guests, quotas, hint = state
-            amount = jnp.minimum(spill[:, None], room[None, :])  # [E, R]
-            feasible = ((amount > 0) & (used < slots)[None, :] & ~holds.T
-                        & (amount.astype(jnp.float32) >= threshold))
+            i, spill, room, used, holds, guests, quotas, hint, clock = state
+            amount = jnp.minimum(spill[:, None], room[None, :])  # [C, R]
             moved = amount.astype(jnp.float32)
+            # A copy must save more GEMM time on the hot rank than the transfer time it exposes.
+            exposure = copy_exposure(clock, home[:, None], rank_ids[None, :], link, moved * pair_fwd_s)
+            feasible = ((amount > 0) & (used < slots)[None, :] & ~holds.T
+                        & (moved >= threshold) & (moved * pair_s >= exposure))
             # The pairs moved, doubled for the share of them the transport plan routes from h to l:
             # slots go to large moves (each one fills a rank's room or ends an expert's spill), and
             # among similar moves to the destinations Sinkhorn found cheap.
@@ -98,7 +106,8 @@ class TaotPlanner(PlannerBase):
             quotas = jnp.where(put, taken, quotas)
             hint = hint - jnp.where((rank_ids[:, None] == home[e]) & (rank_ids[None, :] == d),
                                     taken.astype(jnp.float32), 0.0)
-            return jnp.where(ok, i + 1, num_ranks * slots), spill, room, used, holds, guests, quotas, hint
+            clock = clock_after_copy(clock, home[e], d, link[e, d], taken.astype(jnp.float32) * pair_fwd_s, ok)
+            return jnp.where(ok, i + 1, num_ranks * slots), spill, room, used, holds, guests, quotas, hint, clock
 
         state = (jnp.int32(0),
                  spill0[cand],
@@ -107,7 +116,9 @@ class TaotPlanner(PlannerBase):
                  (one_hot(placement, num_experts).sum(1) > 0)[:, cand],
                  jnp.full((num_ranks, slots), -1, jnp.int32),
                  jnp.zeros((num_ranks, slots), jnp.int32),
-                 self.flow_hint(counts, placement).plan)
+                 self.flow_hint(counts, placement).plan,
+                 TransferClock(jnp.zeros(num_ranks), jnp.zeros(num_ranks),
+                               rank_loads.astype(jnp.float32) * pair_fwd_s))
         state = carry_like(state, counts)
         # One copy per step, until no feasible move is left (a test every device evaluates alike).
         state = jax.lax.while_loop(lambda st: st[0] < num_ranks * slots, step, state)

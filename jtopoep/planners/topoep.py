@@ -10,7 +10,9 @@
    gradients that must cross it) wins, and among nodes within 10% of that saving the one that absorbs
    the most, so each copy fills a rank or ends the spill (few slots, balance at the bound);
    intra-node refinement: within that node, the least-loaded free rank (most room);
-   a copy must pass the min-gain test for its link class, else the expert's remaining spill stays home;
+   a copy must save more GEMM time on the hot rank than the weight-transfer time it exposes under the
+   cost model (common.TransferClock: transfers hide behind home-slot GEMMs until those run out) and
+   pass the min-gain test for its link class, else the expert's remaining spill stays home;
 4. load-neutral locality swaps fill free slots where they save inter-node bytes (common.locality_swaps);
 5. each home slot keeps what its copies do not take; sources feed copies on their own rank, then
    their own node, then anywhere (common.route_to_copies).
@@ -33,7 +35,8 @@ import jax.numpy as jnp
 from jtopoep.costmodel import EXCHANGES_PER_LAYER
 from jtopoep.plan import Plan
 from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, guest_quotas_to_slots, home_rank_of_experts,
-                                     locality_swaps,
+                                     TransferClock, clock_after_copy, copy_exposure, locality_swaps,
+                                     transfer_costs,
                                      one_hot, plan_from_quotas, spill_per_expert)
 
 
@@ -53,6 +56,7 @@ class TopoEPPlanner(PlannerBase):
         else:
             pair_bytes = EXCHANGES_PER_LAYER * self.dims.pair_bytes
             copy_bytes = 2.0 * self.dims.expert_bytes
+        link_s, pair_fwd_s, pair_s = transfer_costs(self.topology, self.dims)
         node_ids = jnp.arange(nodes, dtype=jnp.int32)
         rank_ids = jnp.arange(num_ranks, dtype=jnp.int32)
         slot_ids = jnp.arange(slots, dtype=jnp.int32)
@@ -64,6 +68,7 @@ class TopoEPPlanner(PlannerBase):
         by_load = jnp.argsort(-loads, stable=True)
         cand = by_load[jnp.argsort(-spill0[by_load], stable=True)][:num_cand]  # [C] expert ids
         expert_ids = jnp.arange(num_cand, dtype=jnp.int32)
+        cand_home = home_rank_of_experts(placement)[cand]  # [C]
 
         remote = node_ids[:, None] != home_node[cand][None, :]  # [N, C]
         # Pairs of e from node n that cross the scale-out link to reach e's home node.
@@ -71,13 +76,19 @@ class TopoEPPlanner(PlannerBase):
         never = jnp.int32(-1)
 
         def step(state):
-            i, spill, room, used, holds, guests, quotas, crossing = state
+            i, spill, room, used, holds, guests, quotas, crossing, clock = state
             e = jnp.argmax(spill)
             need = spill[e]
             free = (used < slots) & ~holds[:, e] & (room > 0)  # [R]
             room_free = jnp.where(free, room, never).reshape(nodes, gpus)
             absorb = jnp.minimum(need, room_free.max(1))  # [N]
-            usable = (absorb > 0) & (absorb >= jnp.where(remote[:, e], thr_inter, thr_intra))
+            # The copy must save more GEMM time on the hot rank than the transfer time it exposes.
+            dest = node_ids * gpus + jnp.argmax(room_free, axis=1)  # [N] each node's best rank
+            home = cand_home[e]
+            moved = absorb.astype(jnp.float32)
+            exposure = copy_exposure(clock, home, dest, link_s[home, dest], moved * pair_fwd_s)
+            usable = ((absorb > 0) & (absorb >= jnp.where(remote[:, e], thr_inter, thr_intra))
+                      & (moved * pair_s >= exposure))
             saved = (jnp.minimum(absorb.astype(jnp.float32), crossing[:, e]) * pair_bytes
                      - jnp.where(remote[:, e], copy_bytes, 0.0))
             # Nodes within 10% of the best saving count as equally good for traffic; among them the
@@ -87,8 +98,9 @@ class TopoEPPlanner(PlannerBase):
             near = usable & (key >= best - 0.1 * jnp.abs(best))
             node = jnp.argmax(jnp.where(near, absorb, never))
             ok = usable.any()
-            d = node * gpus + jnp.argmax(room_free[node])
+            d = dest[node]
             amount = jnp.where(ok, absorb[node], 0)
+            clock = clock_after_copy(clock, home, d, link_s[home, d], amount.astype(jnp.float32) * pair_fwd_s, ok)
             at_d = ok & (rank_ids == d)
             put = at_d[:, None] & (slot_ids[None, :] == used[d])
             is_e = expert_ids == e
@@ -101,7 +113,8 @@ class TopoEPPlanner(PlannerBase):
             quotas = jnp.where(put, amount, quotas)
             served = (node_ids[:, None] == node) & is_e[None, :]
             crossing = jnp.maximum(crossing - jnp.where(served, amount.astype(jnp.float32), 0.0), 0.0)
-            return jnp.where(need > 0, i + 1, num_ranks * slots), spill, room, used, holds, guests, quotas, crossing
+            return (jnp.where(need > 0, i + 1, num_ranks * slots), spill, room, used, holds, guests, quotas,
+                    crossing, clock)
 
         state = (jnp.int32(0),
                  spill0[cand],
@@ -110,7 +123,9 @@ class TopoEPPlanner(PlannerBase):
                  (one_hot(placement, num_experts).sum(1) > 0)[:, cand],
                  jnp.full((num_ranks, slots), -1, jnp.int32),
                  jnp.zeros((num_ranks, slots), jnp.int32),
-                 crossing0)
+                 crossing0,
+                 TransferClock(jnp.zeros(num_ranks), jnp.zeros(num_ranks),
+                               rank_loads.astype(jnp.float32) * pair_fwd_s))
         state = carry_like(state, counts)
         # At most one copy per step and R * K slots; the loop also ends once no move is left. The
         # exit test reads only values every device holds identically, so all stop at the same step.
