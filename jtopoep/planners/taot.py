@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from jtopoep.plan import Plan
-from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, guest_quotas_to_slots, home_rank_of_experts,
-                                     TransferClock, clock_after_copy, copy_exposure, locality_swaps,
-                                     node_link_class, transfer_costs, one_hot, plan_from_quotas, spill_per_expert)
+from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, copy_exposure, finish_plan,
+                                     home_rank_of_experts, make_copy, node_link_class, spill_per_expert,
+                                     start_copies, transfer_costs)
 from jtopoep.planners.sinkhorn import sinkhorn
 
 
@@ -61,7 +61,6 @@ class TaotPlanner(PlannerBase):
         slots = self.guest_slots
         loads = counts.sum(0)
         target = ceil_div(loads.sum(), num_ranks)
-        rank_loads = loads[placement].sum(1)
         spill0 = spill_per_expert(loads, placement, target)
         # At most R * K copies are made, each for an expert with spill: the R * K experts with the
         # most spill are the only candidates, which keeps the loop's cost independent of E.
@@ -75,16 +74,14 @@ class TaotPlanner(PlannerBase):
         link_s, pair_fwd_s, pair_s = transfer_costs(self.topology, self.dims)
         link = link_s[home]  # [C, R] seconds to ship each candidate to each rank
         rank_ids = jnp.arange(num_ranks, dtype=jnp.int32)
-        expert_ids = jnp.arange(num_cand, dtype=jnp.int32)
-        slot_ids = jnp.arange(slots, dtype=jnp.int32)
 
-        def step(state):
-            i, spill, room, used, holds, guests, quotas, hint, clock = state
-            amount = jnp.minimum(spill[:, None], room[None, :])  # [C, R]
+        def step(carry):
+            state, hint = carry
+            amount = jnp.minimum(state.spill[:, None], state.room[None, :])  # [C, R]
             moved = amount.astype(jnp.float32)
             # A copy must save more GEMM time on the hot rank than the transfer time it exposes.
-            exposure = copy_exposure(clock, home[:, None], rank_ids[None, :], link, moved * pair_fwd_s)
-            feasible = ((amount > 0) & (used < slots)[None, :] & ~holds.T
+            exposure = copy_exposure(state.clock, home[:, None], rank_ids[None, :], link, moved * pair_fwd_s)
+            feasible = ((amount > 0) & (state.used < slots)[None, :] & ~state.holds.T
                         & (moved >= threshold) & (moved * pair_s >= exposure))
             # The pairs moved, doubled for the share of them the transport plan routes from h to l:
             # slots go to large moves (each one fills a rank's room or ends an expert's spill), and
@@ -94,36 +91,14 @@ class TaotPlanner(PlannerBase):
             flat = jnp.argmax(jnp.where(feasible, score, -1.0).reshape(-1))
             e, d = flat // num_ranks, flat % num_ranks
             ok = feasible[e, d]
-            taken = jnp.where(ok, amount[e, d], 0)
-            is_e = expert_ids == e
-            at_d = ok & (rank_ids == d)
-            put = at_d[:, None] & (slot_ids[None, :] == used[d])
-            spill = spill - jnp.where(is_e, taken, 0)
-            room = room - jnp.where(at_d, taken, 0)
-            used = used + at_d.astype(jnp.int32)
-            holds = holds | (at_d[:, None] & is_e[None, :])
-            guests = jnp.where(put, cand[e], guests)
-            quotas = jnp.where(put, taken, quotas)
-            hint = hint - jnp.where((rank_ids[:, None] == home[e]) & (rank_ids[None, :] == d),
-                                    taken.astype(jnp.float32), 0.0)
-            clock = clock_after_copy(clock, home[e], d, link[e, d], taken.astype(jnp.float32) * pair_fwd_s, ok)
-            return jnp.where(ok, i + 1, num_ranks * slots), spill, room, used, holds, guests, quotas, hint, clock
+            state = make_copy(state, e, d, amount[e, d], ok, cand, home[e], link[e, d], pair_fwd_s)
+            state = state._replace(step=jnp.where(ok, state.step + 1, num_ranks * slots))
+            charged = jnp.where(ok, moved[e, d], 0.0)
+            hint = hint - jnp.where((rank_ids[:, None] == home[e]) & (rank_ids[None, :] == d), charged, 0.0)
+            return state, hint
 
-        state = (jnp.int32(0),
-                 spill0[cand],
-                 jnp.maximum(target - rank_loads, 0),
-                 jnp.zeros(num_ranks, jnp.int32),
-                 (one_hot(placement, num_experts).sum(1) > 0)[:, cand],
-                 jnp.full((num_ranks, slots), -1, jnp.int32),
-                 jnp.zeros((num_ranks, slots), jnp.int32),
-                 self.flow_hint(counts, placement).plan,
-                 TransferClock(jnp.zeros(num_ranks), jnp.zeros(num_ranks),
-                               rank_loads.astype(jnp.float32) * pair_fwd_s))
-        state = carry_like(state, counts)
+        state = start_copies(counts, placement, cand, spill0, target, slots, pair_fwd_s)
         # One copy per step, until no feasible move is left (a test every device evaluates alike).
-        state = jax.lax.while_loop(lambda st: st[0] < num_ranks * slots, step, state)
-        guests, quotas = state[5], state[6]
-        if self.dims is not None:  # the same load-neutral locality swaps as topoep
-            guests, quotas = locality_swaps(counts, placement, guests, quotas, self.topology, self.dims)
-        slot_expert, quota = guest_quotas_to_slots(placement, guests, quotas, loads)
-        return plan_from_quotas(counts, slot_expert, quota, self.topology.gpus_per_node, True, jnp)
+        state, _ = jax.lax.while_loop(lambda c: c[0].step < num_ranks * slots, step,
+                                      (state, carry_like(self.flow_hint(counts, placement).plan, counts)))
+        return finish_plan(self, counts, placement, state)

@@ -34,10 +34,9 @@ import jax.numpy as jnp
 
 from jtopoep.costmodel import EXCHANGES_PER_LAYER
 from jtopoep.plan import Plan
-from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, guest_quotas_to_slots, home_rank_of_experts,
-                                     TransferClock, clock_after_copy, copy_exposure, locality_swaps,
-                                     transfer_costs,
-                                     one_hot, plan_from_quotas, spill_per_expert)
+from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, copy_exposure, finish_plan,
+                                     home_rank_of_experts, make_copy, spill_per_expert, start_copies,
+                                     transfer_costs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +46,6 @@ class TopoEPPlanner(PlannerBase):
         nodes, gpus, slots = self.topology.num_nodes, self.gpus_per_node, self.guest_slots
         loads = counts.sum(0)
         target = ceil_div(loads.sum(), num_ranks)
-        rank_loads = loads[placement].sum(1)
         home_node = home_rank_of_experts(placement) // gpus  # [E]
         node_pairs = counts.reshape(nodes, gpus, num_experts).sum(1).astype(jnp.float32)  # [N, E]
         thr_intra, thr_inter = self.gain_thresholds()
@@ -58,8 +56,6 @@ class TopoEPPlanner(PlannerBase):
             copy_bytes = 2.0 * self.dims.expert_bytes
         link_s, pair_fwd_s, pair_s = transfer_costs(self.topology, self.dims)
         node_ids = jnp.arange(nodes, dtype=jnp.int32)
-        rank_ids = jnp.arange(num_ranks, dtype=jnp.int32)
-        slot_ids = jnp.arange(slots, dtype=jnp.int32)
         spill0 = spill_per_expert(loads, placement, target)
         # Each step makes at most one copy and there are R * K slots, so at most R * K experts ever
         # get one, all among the R * K with the most spill (then load): the loop runs on those
@@ -75,22 +71,21 @@ class TopoEPPlanner(PlannerBase):
         crossing0 = jnp.where(remote, node_pairs[:, cand], 0.0)
         never = jnp.int32(-1)
 
-        def step(state):
-            i, spill, room, used, holds, guests, quotas, crossing, clock = state
-            e = jnp.argmax(spill)
-            need = spill[e]
-            free = (used < slots) & ~holds[:, e] & (room > 0)  # [R]
-            room_free = jnp.where(free, room, never).reshape(nodes, gpus)
+        def step(carry):
+            state, crossing = carry
+            e = jnp.argmax(state.spill)
+            need = state.spill[e]
+            free = (state.used < slots) & ~state.holds[:, e] & (state.room > 0)  # [R]
+            room_free = jnp.where(free, state.room, never).reshape(nodes, gpus)
             absorb = jnp.minimum(need, room_free.max(1))  # [N]
             # The copy must save more GEMM time on the hot rank than the transfer time it exposes.
             dest = node_ids * gpus + jnp.argmax(room_free, axis=1)  # [N] each node's best rank
             home = cand_home[e]
             moved = absorb.astype(jnp.float32)
-            exposure = copy_exposure(clock, home, dest, link_s[home, dest], moved * pair_fwd_s)
+            exposure = copy_exposure(state.clock, home, dest, link_s[home, dest], moved * pair_fwd_s)
             usable = ((absorb > 0) & (absorb >= jnp.where(remote[:, e], thr_inter, thr_intra))
                       & (moved * pair_s >= exposure))
-            saved = (jnp.minimum(absorb.astype(jnp.float32), crossing[:, e]) * pair_bytes
-                     - jnp.where(remote[:, e], copy_bytes, 0.0))
+            saved = (jnp.minimum(moved, crossing[:, e]) * pair_bytes - jnp.where(remote[:, e], copy_bytes, 0.0))
             # Nodes within 10% of the best saving count as equally good for traffic; among them the
             # one that absorbs the most, so that each copy fills a rank (few slots, good balance).
             key = jnp.where(usable, saved, -jnp.inf)
@@ -99,42 +94,20 @@ class TopoEPPlanner(PlannerBase):
             node = jnp.argmax(jnp.where(near, absorb, never))
             ok = usable.any()
             d = dest[node]
-            amount = jnp.where(ok, absorb[node], 0)
-            clock = clock_after_copy(clock, home, d, link_s[home, d], amount.astype(jnp.float32) * pair_fwd_s, ok)
-            at_d = ok & (rank_ids == d)
-            put = at_d[:, None] & (slot_ids[None, :] == used[d])
-            is_e = expert_ids == e
+            state = make_copy(state, e, d, absorb[node], ok, cand, home, link_s[home, d], pair_fwd_s)
             # A spilling expert that cannot be placed anywhere keeps its spill at home.
-            spill = jnp.where(is_e, jnp.where(ok, need - amount, 0), spill)
-            room = room - jnp.where(at_d, amount, 0)
-            used = used + at_d.astype(jnp.int32)
-            holds = holds | (at_d[:, None] & is_e[None, :])
-            guests = jnp.where(put, cand[e], guests)
-            quotas = jnp.where(put, amount, quotas)
-            served = (node_ids[:, None] == node) & is_e[None, :]
-            crossing = jnp.maximum(crossing - jnp.where(served, amount.astype(jnp.float32), 0.0), 0.0)
-            return (jnp.where(need > 0, i + 1, num_ranks * slots), spill, room, used, holds, guests, quotas,
-                    crossing, clock)
+            state = state._replace(spill=jnp.where((expert_ids == e) & ~ok, 0, state.spill),
+                                   step=jnp.where(need > 0, state.step + 1, num_ranks * slots))
+            served = (node_ids[:, None] == node) & (expert_ids == e)[None, :] & ok
+            crossing = jnp.maximum(crossing - jnp.where(served, moved[node], 0.0), 0.0)
+            return state, crossing
 
-        state = (jnp.int32(0),
-                 spill0[cand],
-                 jnp.maximum(target - rank_loads, 0),
-                 jnp.zeros(num_ranks, jnp.int32),
-                 (one_hot(placement, num_experts).sum(1) > 0)[:, cand],
-                 jnp.full((num_ranks, slots), -1, jnp.int32),
-                 jnp.zeros((num_ranks, slots), jnp.int32),
-                 crossing0,
-                 TransferClock(jnp.zeros(num_ranks), jnp.zeros(num_ranks),
-                               rank_loads.astype(jnp.float32) * pair_fwd_s))
-        state = carry_like(state, counts)
-        # At most one copy per step and R * K slots; the loop also ends once no move is left. The
+        state = start_copies(counts, placement, cand, spill0, target, slots, pair_fwd_s)
+        # At most one copy per step and R * K slots; the loop also ends once no spill is left. The
         # exit test reads only values every device holds identically, so all stop at the same step.
-        state = jax.lax.while_loop(lambda st: st[0] < num_ranks * slots, step, state)
-        guests, quotas = state[5], state[6]
-        if self.dims is not None:  # swaps are priced in bytes and seconds: they need the expert shape
-            guests, quotas = locality_swaps(counts, placement, guests, quotas, self.topology, self.dims)
-        slot_expert, quota = guest_quotas_to_slots(placement, guests, quotas, loads)
-        return plan_from_quotas(counts, slot_expert, quota, gpus, True, jnp)
+        state, _ = jax.lax.while_loop(lambda c: c[0].step < num_ranks * slots, step,
+                                      (state, carry_like(crossing0, counts)))
+        return finish_plan(self, counts, placement, state)
 
     @property
     def gpus_per_node(self) -> int:
