@@ -101,14 +101,18 @@ def sweeps(topology, families: dict, repeats: int) -> dict:
     """Knob sweeps on E = 256, K = 2 (zipf-1.0 and esft-intent): the figures that chose the defaults."""
     loads = {k: families[k] for k in ("zipf-1.0", "esft-intent")}
     out = {"min_gain": [], "sinkhorn": []}
-    for min_gain in (0.0, 0.25, 0.5, 1.0):
-        for name in ("topoep", "taot"):
-            rows = evaluate(topology, loads, 256, 2, min_gain, only=(name,))
-            for family in loads:
-                r = rows[(family, name)]
-                out["min_gain"].append({"planner": name, "min_gain": min_gain, "load": family,
-                                        "imbalance_median": r["imbalance_median"], "layer_ms": r["layer_ms"],
-                                        "inter_bytes": r["inter_bytes"], "wcc": r["wcc"]})
+    for price in (True, False):
+        for min_gain in (0.0, 0.25, 0.5, 1.0) if price else (0.0,):
+            for name in ("topoep", "taot"):
+                rows = evaluate(topology, loads, 256, 2, min_gain, only=(name,),
+                                overrides={name: dict(price_transfers=price)})
+                for family in loads:
+                    r = rows[(family, name)]
+                    out["min_gain"].append({"planner": name, "price_transfers": price, "min_gain": min_gain,
+                                            "load": family, "imbalance_median": r["imbalance_median"],
+                                            "gap_to_bound_median": r["gap_to_bound_median"],
+                                            "layer_ms": r["layer_ms"], "inter_bytes": r["inter_bytes"],
+                                            "wcc": r["wcc"]})
     sample = jnp.asarray(loads["zipf-1.0"][0])
     for epsilon in (0.01, 0.05, 0.2, 1.0):
         for iterations in (10, 20, 50):
@@ -146,11 +150,13 @@ def markdown(results: dict) -> str:
     if "sweeps" in results:
         lines.append("### Knob sweeps (E = 256, K = 2)")
         lines.append("")
-        lines.append("| planner | min_gain | load | imbalance median | layer ms | inter-node GB |")
-        lines.append("|---|---|---|---|---|---|")
+        lines.append("| planner | price_transfers | min_gain | load | imbalance median | gap to bound | layer ms | "
+                     "inter-node GB |")
+        lines.append("|---|---|---|---|---|---|---|---|")
         for r in results["sweeps"]["min_gain"]:
-            lines.append(f"| {r['planner']} | {r['min_gain']} | {r['load']} | {r['imbalance_median']:.3f} | "
-                         f"{r['layer_ms']:.2f} | {r['inter_bytes'] / 1e9:.2f} |")
+            lines.append(f"| {r['planner']} | {r['price_transfers']} | {r['min_gain']} | {r['load']} | "
+                         f"{r['imbalance_median']:.3f} | {100 * r['gap_to_bound_median']:.1f}% | {r['layer_ms']:.2f} | "
+                         f"{r['inter_bytes'] / 1e9:.2f} |")
         lines.append("")
         lines.append("| taot epsilon | iterations | marginal error | latency us | zipf-1.0 imbalance | zipf-1.0 layer ms "
                      "| esft-intent imbalance | esft-intent layer ms |")

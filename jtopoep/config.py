@@ -129,6 +129,7 @@ class MoEConfig:
     # A copy must save >= min_gain x its weight-transfer time; 0 (the default, from the planner
     # benchmark's sweep) turns the test off: transfers mostly hide behind home GEMMs.
     min_gain: float = 0.0
+    price_transfers: bool = True  # refuse copies exposing more transfer time than GEMM time they save
     sinkhorn_epsilon: float = 1.0  # taot only: entropic regularisation, in link-cost units
     sinkhorn_iters: int = 20  # taot only: fixed Sinkhorn iteration count
     score_fn: str = "softmax"  # router scores: softmax or sigmoid

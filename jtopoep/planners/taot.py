@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jtopoep.plan import Plan
 from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, copy_exposure, finish_plan,
                                      home_rank_of_experts, make_copy, node_link_class, spill_per_expert,
-                                     start_copies, transfer_costs)
+                                     start_copies)
 from jtopoep.planners.sinkhorn import sinkhorn
 
 
@@ -71,7 +71,7 @@ class TaotPlanner(PlannerBase):
         thr_intra, thr_inter = self.gain_thresholds()
         threshold = jnp.where(node_link_class(self.topology)[home], thr_inter, thr_intra)  # [C, R]
         link_bonus = 1e-3 / (1.0 + cost[home])  # [C, R]
-        link_s, pair_fwd_s, pair_s = transfer_costs(self.topology, self.dims)
+        link_s, pair_fwd_s, pair_s = self.transfer_costs()
         link = link_s[home]  # [C, R] seconds to ship each candidate to each rank
         rank_ids = jnp.arange(num_ranks, dtype=jnp.int32)
 

@@ -35,8 +35,8 @@ import jax.numpy as jnp
 from jtopoep.costmodel import EXCHANGES_PER_LAYER
 from jtopoep.plan import Plan
 from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, copy_exposure, finish_plan,
-                                     home_rank_of_experts, make_copy, spill_per_expert, start_copies,
-                                     transfer_costs)
+                                     home_rank_of_experts, make_copy, node_link_class, spill_per_expert,
+                                     start_copies)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,7 @@ class TopoEPPlanner(PlannerBase):
         else:
             pair_bytes = EXCHANGES_PER_LAYER * self.dims.pair_bytes
             copy_bytes = 2.0 * self.dims.expert_bytes
-        link_s, pair_fwd_s, pair_s = transfer_costs(self.topology, self.dims)
+        link_s, pair_fwd_s, pair_s = self.transfer_costs()
         node_ids = jnp.arange(nodes, dtype=jnp.int32)
         spill0 = spill_per_expert(loads, placement, target)
         # Each step makes at most one copy and there are R * K slots, so at most R * K experts ever
@@ -70,21 +70,26 @@ class TopoEPPlanner(PlannerBase):
         # Pairs of e from node n that cross the scale-out link to reach e's home node.
         crossing0 = jnp.where(remote, node_pairs[:, cand], 0.0)
         never = jnp.int32(-1)
+        rank_ids = jnp.arange(num_ranks)
+        rank_remote = node_link_class(self.topology)  # [R, R] across nodes
 
         def step(carry):
             state, crossing = carry
             e = jnp.argmax(state.spill)
             need = state.spill[e]
-            free = (state.used < slots) & ~state.holds[:, e] & (state.room > 0)  # [R]
-            room_free = jnp.where(free, state.room, never).reshape(nodes, gpus)
-            absorb = jnp.minimum(need, room_free.max(1))  # [N]
-            # The copy must save more GEMM time on the hot rank than the transfer time it exposes.
-            dest = node_ids * gpus + jnp.argmax(room_free, axis=1)  # [N] each node's best rank
             home = cand_home[e]
+            # A rank qualifies if it has a free slot and room, does not hold e yet, and the copy saves
+            # more GEMM time on the hot rank than the transfer time it exposes (and passes min-gain).
+            take = jnp.minimum(need, state.room).astype(jnp.float32)  # [R]
+            exposure = copy_exposure(state.clock, home, rank_ids, link_s[home], take * pair_fwd_s)
+            qualifies = ((state.used < slots) & ~state.holds[:, e] & (state.room > 0)
+                         & (take >= jnp.where(rank_remote[home], thr_inter, thr_intra))
+                         & (take * pair_s >= exposure))
+            room_free = jnp.where(qualifies, state.room, never).reshape(nodes, gpus)
+            absorb = jnp.minimum(need, room_free.max(1))  # [N]
+            dest = node_ids * gpus + jnp.argmax(room_free, axis=1)  # [N] each node's best rank
             moved = absorb.astype(jnp.float32)
-            exposure = copy_exposure(state.clock, home, dest, link_s[home, dest], moved * pair_fwd_s)
-            usable = ((absorb > 0) & (absorb >= jnp.where(remote[:, e], thr_inter, thr_intra))
-                      & (moved * pair_s >= exposure))
+            usable = absorb > 0
             saved = (jnp.minimum(moved, crossing[:, e]) * pair_bytes - jnp.where(remote[:, e], copy_bytes, 0.0))
             # Nodes within 10% of the best saving count as equally good for traffic; among them the
             # one that absorbs the most, so that each copy fills a rank (few slots, good balance).
