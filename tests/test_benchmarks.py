@@ -1,0 +1,34 @@
+"""The benchmark scripts' building blocks run and produce sane numbers (small cases, no timing)."""
+
+import numpy as np
+
+from benchmarks import cluster
+from benchmarks.loads import all_families
+from jtopoep.topology import Topology
+
+
+def test_load_families_have_the_right_shapes():
+    families = all_families(32, 64, 256, quick=True)
+    assert {"esft-intent", "esft-translation", "olmoe", "zipf-1.0", "bursts"} <= set(families)
+    for name, mats in families.items():
+        assert mats.ndim == 3 and mats.shape[1:] == (32, 64), name
+        assert (mats.sum(2) > 0).all(), name
+
+
+def test_deployment_slices_and_pads():
+    mixtral = cluster.Deployment(cluster.load_model("mixtral-8x7b"), 32)
+    assert mixtral.slices == 4 and mixtral.num_experts == 32 and mixtral.dims.expert_hidden == 14336 // 4
+    counts = np.arange(16).reshape(2, 8)
+    np.testing.assert_array_equal(mixtral.expand(counts)[:, :8], np.repeat(counts, 4, axis=1)[:, :8])
+    qwen = cluster.Deployment(cluster.load_model("qwen1.5-moe"), 32)
+    assert qwen.slices == 1 and qwen.num_experts == 64
+    assert (qwen.expand(np.ones((32, 60), np.int32))[:, 60:] == 0).all()
+
+
+def test_projection_orders_planners_sensibly():
+    topology = Topology.preset("h800-4x8")
+    mats = cluster.model_traces("deepseek-v2-lite", 32, 1, None)[:, :3]  # 3 layers of one micro-batch
+    rows = cluster.project("deepseek-v2-lite", topology, 2, {}, mats, window=8, min_gain=0.0)
+    assert rows["ideal"]["step_s"] <= rows["topoep"]["step_s"] < rows["none"]["step_s"]
+    assert rows["taot"]["step_s"] < rows["none"]["step_s"]
+    assert rows["none"]["gain_vs_none"] == 0.0 and rows["ideal"]["share_of_ideal_gain"] == 1.0
