@@ -194,7 +194,22 @@ def markdown(results: dict) -> str:
                              f"{1e3 * r['exchange_s']:.1f} | {1e3 * r['weights_s']:.1f} | {1e3 * r['planning_s']:.2f} | "
                              f"{1e3 * r['non_moe_s']:.1f} |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + gap_report(results))
+
+
+def gap_report(results: dict) -> list[str]:
+    """Where topoep and taot fall short of `ideal` at the headline setting, term by term (ms per step)."""
+    lines = ["### Where the gap to ideal comes from (K=2, ms per step, planner minus ideal)", "",
+             "| model | planner | share of ideal gain | MoE GEMM | exchange | weights | planning | largest term |",
+             "|---|---|---|---|---|---|---|---|"]
+    terms = ("gemm_s", "exchange_s", "weights_s", "planning_s")
+    for model, rows in results["settings"][results["headline"]].items():
+        for name in ("topoep", "taot"):
+            gap = {k: 1e3 * (rows[name][k] - rows["ideal"][k]) for k in terms}
+            worst = max(gap, key=gap.get)
+            lines.append(f"| {model} | {name} | {100 * rows[name]['share_of_ideal_gain']:.0f}% | "
+                         + " | ".join(f"{gap[k]:+.1f}" for k in terms) + f" | {worst[:-2]} |")
+    return lines + [""]
 
 
 def plot(results: dict, path: pathlib.Path) -> None:
