@@ -130,16 +130,6 @@ def scatter_add(shape, index: tuple, values, xp=jnp):
     return jnp.zeros(shape, values.dtype).at[index].add(values)
 
 
-def slot_capacity(slot_expert, quota, num_experts, xp=jnp):
-    """[E, R] pairs the copy of expert e on rank d takes (0 where d holds no copy of e)."""
-    num_ranks = slot_expert.shape[0]
-    ranks = xp.broadcast_to(xp.arange(num_ranks, dtype=xp.int32)[:, None], slot_expert.shape)
-    occupied = slot_expert >= 0
-    # Empty slots add 0 to expert 0: harmless, and keeps the index static.
-    return scatter_add((num_experts, num_ranks), (xp.maximum(slot_expert, 0), ranks),
-                       xp.where(occupied, quota, 0).astype(xp.int32), xp)
-
-
 def even_quotas(slot_expert, loads, xp=jnp):
     """[R, S] split each expert's load evenly over its copies; the first copies in (d, j) order take
     one pair more when the load does not divide."""
@@ -201,29 +191,29 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     """The plan for given slot contents and per-slot quotas, routing sources to copies.
 
     Only experts with guest copies need a transport problem solved; every other expert sends all its
-    pairs to its home slot. Since there are at most R * K guest slots, the per-expert transport is
-    solved for the C = min(E, R * K) experts that come first when experts with guests are put
-    first, a static bound that keeps routing cost independent of E."""
+    pairs to its home slot. There are at most C = min(E, R * K) of them (one per guest slot): the
+    transport is solved for those, listed in ascending id and padded with -1, so the routing cost
+    does not grow with E."""
     num_ranks, num_experts = counts.shape
-    has_guest = one_hot(slot_expert.reshape(-1), num_experts, xp).sum(0) > 1  # a copy besides home
-    chosen_count = min(num_experts, max(1, _guest_slot_total(slot_expert, num_experts, num_ranks)))
-    chosen = xp.argsort(~has_guest, stable=True)[:chosen_count].astype(xp.int32)  # [C]
-    picked = one_hot(chosen, num_experts, xp)  # [C, E]
-    position = xp.where(picked.sum(0) > 0, (picked * xp.arange(chosen_count, dtype=xp.int32)[:, None]).sum(0), -1)
-    capacity = slot_capacity(slot_expert, quota, num_experts, xp)[chosen]  # [C, R]
-    flow = route_to_copies(counts[:, chosen], capacity, gpus_per_node, tiered, xp)  # [C, R(s), R(d)]
+    home = num_experts // num_ranks
+    guests = slot_expert[:, home:].reshape(-1)
+    num_chosen = max(1, min(num_experts, guests.shape[0]))
+    ids = xp.sort(guests)
+    first = xp.concatenate([ids[:1] >= 0, (ids[1:] != ids[:-1]) & (ids[1:] >= 0)])
+    rank_of = xp.cumsum(first.astype(xp.int32)) - 1
+    chosen = scatter_add((num_chosen + 1,), (xp.where(first, rank_of, num_chosen),),
+                         xp.where(first, ids + 1, 0).astype(xp.int32), xp)[:num_chosen] - 1  # [C], -1 pad
+    match = (slot_expert[:, :, None] == chosen[None, None, :]) & (chosen >= 0)[None, None, :]  # [R, S, C]
+    pos = xp.where(match.any(-1), xp.argmax(match, axis=-1), -1)  # [R(d), S]
+    capacity = (match * quota[:, :, None]).sum(1).T.astype(xp.int32)  # [C, R]
+    supply = xp.where((chosen >= 0)[None, :], counts[:, xp.maximum(chosen, 0)], 0)  # [R, C]
+    flow = route_to_copies(supply, capacity, gpus_per_node, tiered, xp)  # [C, R(s), R(d)]
     safe = xp.maximum(slot_expert, 0)
-    pos = position[safe]  # [R(d), S]
     from_flow = flow[xp.maximum(pos, 0), :, xp.arange(num_ranks)[:, None]]  # [d, j, s]
     from_home = xp.transpose(counts[:, safe], (1, 2, 0))  # [d, j, s]: all of e's pairs (home slots)
     routed = xp.where((pos >= 0)[..., None], from_flow, from_home)
     route = xp.where((slot_expert >= 0)[..., None], routed, 0)
     return Plan(slot_expert.astype(xp.int32), xp.transpose(route, (2, 0, 1)).astype(xp.int32))
-
-
-def _guest_slot_total(slot_expert, num_experts: int, num_ranks: int) -> int:
-    """Static upper bound on the number of experts with guest copies: the guest slots, R * K."""
-    return num_ranks * (slot_expert.shape[1] - num_experts // num_ranks)
 
 
 def guest_quotas_to_slots(placement, guest_expert, guest_quota, loads, xp=jnp):
