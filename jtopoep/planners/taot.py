@@ -6,10 +6,11 @@
 3. integer replica matching, one guest copy per step (at most R * K steps, ending when no move is
    left), over the R * K experts with the most spill: for every (spilling expert e with home rank h,
    light rank l with a free slot not holding e) pair, the move is m = min(spill left of e, room left
-   on l) and its score m * (1 + min(m, F left on (h, l)) / m + 1e-3 / (1 + M[h, l])): large moves
-   first (each fills a rank or ends a spill, so few slots reach the balance bound), doubled for the
-   share the transport plan supports, the cheaper link on ties; the best move is made and charged
-   against F[h, l]. Copies that fail the min-gain test
+   on l) and its score m * (1 + min(m, F left on (h, l)) / m + min(m, X left on (node of l, e)) / m
+   + 1e-3 / (1 + M[h, l])), X being e's pairs from each node that cross the scale-out link: large
+   moves first (each fills a rank or ends a spill, so few slots reach the balance bound), raised for
+   the share the transport plan supports and for the share l's node feeds itself (pairs that stop
+   crossing), the cheaper link on ties; the best move is made and charged against F[h, l] and X. Copies that fail the min-gain test
    for their link class, or expose more weight-transfer time than the GEMM time they save (the same
    common.TransferClock rule as topoep), are never matched;
 4. home slots keep what their copies do not take; token routing is the locality-tiered routing
@@ -74,9 +75,14 @@ class TaotPlanner(PlannerBase):
         link_s, pair_fwd_s, pair_s = self.transfer_costs()
         link = link_s[home]  # [C, R] seconds to ship each candidate to each rank
         rank_ids = jnp.arange(num_ranks, dtype=jnp.int32)
+        gpus = self.topology.gpus_per_node
+        rank_node = rank_ids // gpus
+        # Pairs of each candidate that each node sends across the scale-out link to its home node.
+        node_pairs = counts.reshape(-1, gpus, num_experts).sum(1)[:, cand].astype(jnp.float32)  # [N, C]
+        crossing0 = jnp.where(rank_node[::gpus][:, None] != (home // gpus)[None, :], node_pairs, 0.0)
 
         def step(carry):
-            state, hint = carry
+            state, hint, crossing = carry
             amount = jnp.minimum(state.spill[:, None], state.room[None, :])  # [C, R]
             moved = amount.astype(jnp.float32)
             # A copy must save more GEMM time on the hot rank than the transfer time it exposes.
@@ -87,7 +93,9 @@ class TaotPlanner(PlannerBase):
             # slots go to large moves (each one fills a rank's room or ends an expert's spill), and
             # among similar moves to the destinations Sinkhorn found cheap.
             supported = jnp.minimum(moved, jnp.maximum(hint[home], 0.0)) / jnp.maximum(moved, 1.0)
-            score = moved * (1.0 + supported + link_bonus)
+            # ... and for the share the destination's node feeds itself (pairs that stop crossing).
+            local = jnp.minimum(moved, crossing[rank_node].T) / jnp.maximum(moved, 1.0)  # [C, R]
+            score = moved * (1.0 + supported + local + link_bonus)
             flat = jnp.argmax(jnp.where(feasible, score, -1.0).reshape(-1))
             e, d = flat // num_ranks, flat % num_ranks
             ok = feasible[e, d]
@@ -95,10 +103,13 @@ class TaotPlanner(PlannerBase):
             state = state._replace(step=jnp.where(ok, state.step + 1, num_ranks * slots))
             charged = jnp.where(ok, moved[e, d], 0.0)
             hint = hint - jnp.where((rank_ids[:, None] == home[e]) & (rank_ids[None, :] == d), charged, 0.0)
-            return state, hint
+            served = (jnp.arange(crossing.shape[0])[:, None] == rank_node[d]) & (jnp.arange(num_cand) == e)[None, :]
+            crossing = jnp.maximum(crossing - jnp.where(served, charged, 0.0), 0.0)
+            return state, hint, crossing
 
         state = start_copies(counts, placement, cand, spill0, target, slots, pair_fwd_s)
         # One copy per step, until no feasible move is left (a test every device evaluates alike).
-        state, _ = jax.lax.while_loop(lambda c: c[0].step < num_ranks * slots, step,
-                                      (state, carry_like(self.flow_hint(counts, placement).plan, counts)))
+        hint = self.flow_hint(counts, placement).plan
+        state, _, _ = jax.lax.while_loop(lambda c: c[0].step < num_ranks * slots, step,
+                                         (state, carry_like(hint, counts), carry_like(crossing0, counts)))
         return finish_plan(self, counts, placement, state)
