@@ -23,6 +23,9 @@ from jtopoep.planners.common import PlannerBase, carry_like, even_quotas, one_ho
 
 
 def eplb_slots(counts, placement, guest_slots: int, min_pairs: float, xp):
+    """Slots [R, S] and even-split quotas [R, S] of the EPLB policy, written once for numpy and
+    jax.numpy (xp) so the host and device planners agree bit for bit. A replica is only made while
+    each copy would still get at least one pair and at least min_pairs."""
     num_ranks, home = placement.shape
     num_experts = counts.shape[1]
     loads = counts.sum(0).astype(xp.int32)
