@@ -254,22 +254,24 @@ def transfer_costs(topology: Topology, dims: ExpertDims | None):
     return link_s, dims.pair_flops / 3.0 / rate, dims.pair_flops / rate
 
 
-def exposed_seconds(send, recv, hide):
-    """Exposed transfer time of ranks: weights out behind the forward, gradients back behind the backward."""
+def _exposed(send, recv, hide):
+    """(forward, backward) exposed transfer seconds: weights out behind the home forward GEMMs,
+    gradients back behind the backward (twice the forward)."""
     busy = jnp.maximum(send, recv)
-    return jnp.maximum(busy - hide, 0.0) + jnp.maximum(busy - 2.0 * hide, 0.0)
+    return jnp.maximum(busy - hide, 0.0), jnp.maximum(busy - 2.0 * hide, 0.0)
 
 
 def copy_exposure(clock: TransferClock, home, dest, link, moved_fwd_s):
-    """Extra exposed seconds if `home` ships one expert to `dest` (link seconds) and its home slots
-    lose moved_fwd_s of forward GEMM, summed over the two ranks. (The cost model charges the most
-    exposed rank; the sum is the conservative proxy, and in the planner benchmark it gave shorter
-    projected layer times than charging the larger increment only.) Broadcasts over candidates."""
-    at_home = exposed_seconds(clock.send[home] + link, clock.recv[home], clock.hide[home] - moved_fwd_s) - \
-        exposed_seconds(clock.send[home], clock.recv[home], clock.hide[home])
-    at_dest = exposed_seconds(clock.send[dest], clock.recv[dest] + link, clock.hide[dest]) - \
-        exposed_seconds(clock.send[dest], clock.recv[dest], clock.hide[dest])
-    return at_home + at_dest
+    """Extra layer seconds from the guest-weight term if `home` ships one expert to `dest` (link
+    seconds) and its home slots lose moved_fwd_s of forward GEMM. The cost model charges the most
+    exposed rank, forward and backward, so a transfer costs only what it adds to those maxima.
+    Broadcasts over candidate arrays."""
+    fwd, bwd = _exposed(clock.send, clock.recv, clock.hide)
+    fwd_max, bwd_max = fwd.max(), bwd.max()
+    home_fwd, home_bwd = _exposed(clock.send[home] + link, clock.recv[home], clock.hide[home] - moved_fwd_s)
+    dest_fwd, dest_bwd = _exposed(clock.send[dest], clock.recv[dest] + link, clock.hide[dest])
+    return (jnp.maximum(jnp.maximum(home_fwd, dest_fwd) - fwd_max, 0.0)
+            + jnp.maximum(jnp.maximum(home_bwd, dest_bwd) - bwd_max, 0.0))
 
 
 def clock_after_copy(clock: TransferClock, home, dest, link, moved_fwd_s, ok) -> TransferClock:
