@@ -180,7 +180,7 @@ def planning_latency(path: pathlib.Path) -> dict:
 
 def markdown(results: dict) -> str:
     lines = ["Projected from the cost model (jtopoep/costmodel.py) on real routing; planning latency is the "
-             f"jitted CPU median from the planner benchmark. Not GPU measurements.", ""]
+             "jitted CPU median from the planner benchmark. Not GPU measurements.", ""]
     for setting, models in results["settings"].items():
         lines.append(f"### {setting}")
         lines.append("")

@@ -7,7 +7,6 @@ its output with per-layer statistics, all device values (no host sync).
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
