@@ -1,11 +1,12 @@
 """Trainer: smoke, balancing leaves the maths unchanged, resume equals an uninterrupted run, trace."""
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
-from jtopoep.config import config_from_dict
+from jtopoep.config import TopologyConfig, config_from_dict
 from jtopoep.traces import load_recorded
 from train.loop import NonFiniteLossError, Trainer
 
@@ -93,3 +94,17 @@ def test_non_finite_loss_fails_fast(devices, tmp_path):
         trainer.run()
     trainer.checkpointer.close()
     assert Trainer(tiny(tmp_path, "nan")).checkpointer.latest_step() == 2
+
+
+def test_data_parallel_mesh(devices, tmp_path):
+    """Two expert-parallel groups of 2 x 2 ranks side by side on the outer "data" axis."""
+    config = dataclasses.replace(tiny(tmp_path, "dp", steps=2),
+                                 topology=TopologyConfig(num_nodes=2, gpus_per_node=2, data_parallel=2))
+    trainer = Trainer(config)
+    assert trainer.mesh.axis_names == ("data", "node", "gpu")
+    last = trainer.run()
+    assert np.isfinite(last["loss"])
+    trace = load_recorded(tmp_path / "dp" / "counts.npz")
+    assert trace.shape == (2, 2, 4, 16)
+    # each expert-parallel group routes its own half of the batch: 8 sequences x 12 tokens x top-2
+    assert (trace.sum((2, 3)) == 8 * 12 * 2).all()
