@@ -208,8 +208,7 @@ class Trainer:
                 self.checkpointer.save(done, self.model, self.optimizer)
                 self._save_trace()
             last = row
-        self.checkpointer.close()
-        self._save_trace()
+        self.checkpointer.close()  # the last step always checkpoints and saves the trace
         if jax.process_index() == 0 and (self.run_dir / "metrics.jsonl").exists():
             write_report(self.run_dir, self.config.moe.planner)
         return last or {}

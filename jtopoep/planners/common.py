@@ -1,7 +1,9 @@
 """Pieces every planner shares: loads and targets, spill, quotas, and locality-tiered token routing.
 
-Every function here is integer-only and written against an array namespace `xp` (jax.numpy inside
-jit, numpy for the host planner), so the device and host versions of a planner agree bit for bit.
+Loads, spill, quotas and routing are integer-only and written against an array namespace `xp`
+(jax.numpy inside jit, numpy for the host planner), so the device and host versions of a planner
+agree bit for bit. Pricing copies (TransferClock, locality swaps) uses float32 seconds and bytes,
+computed in the same order on every device.
 """
 
 from __future__ import annotations
@@ -350,9 +352,7 @@ def locality_swaps(counts, placement, guests, quotas, topology: Topology, dims: 
     nodes = num_ranks // gpus_per_node
     pair_bytes = EXCHANGES_PER_LAYER * dims.pair_bytes
     copy_bytes = 2.0 * dims.expert_bytes
-    pair_fwd_s = dims.pair_flops / 3.0 / (topology.flops * topology.mfu)
-    link_s = jnp.where(node_link_class(topology), dims.expert_bytes / topology.inter_bw,
-                       dims.expert_bytes / topology.intra_bw)  # [R, R] seconds to ship one expert
+    link_s, pair_fwd_s, _ = transfer_costs(topology, dims)  # [R, R] seconds to ship one expert
     loads = counts.sum(0)
     home_rank = home_rank_of_experts(placement)
     home_node = home_rank // gpus_per_node
@@ -407,7 +407,8 @@ def locality_swaps(counts, placement, guests, quotas, topology: Topology, dims: 
         put2 = ok & (rank_ids[:, None] == h1) & (slot_ids[None, :] == used[h1])  # copy of e2 on h1
         guests = jnp.where(put1, cand[e1], jnp.where(put2, cand[e2], guests))
         quotas = jnp.where(put1 | put2, a, quotas)
-        used = used + (ok & ((rank_ids == h1) | (rank_ids == h2))).astype(jnp.int32)
+        swapped = ok & ((rank_ids == h1) | (rank_ids == h2))
+        used = used + swapped.astype(jnp.int32)
         cols = jnp.arange(num_cand)
         holds = holds | (ok & (rank_ids[:, None] == h2) & (cols[None, :] == e1)) \
             | (ok & (rank_ids[:, None] == h1) & (cols[None, :] == e2))
@@ -415,7 +416,6 @@ def locality_swaps(counts, placement, guests, quotas, topology: Topology, dims: 
         crossing = crossing - jnp.where((node_ids == cand_node[e2]) & (cols[None, :] == e1), a, 0) \
             - jnp.where((node_ids == cand_node[e1]) & (cols[None, :] == e2), a, 0)
         left = left - jnp.where((cols == e1) | (cols == e2), a, 0)
-        swapped = ok & ((rank_ids == h1) | (rank_ids == h2))
         busy = busy + jnp.where(swapped, link_s[h1, h2], 0.0)
         hide = hide - jnp.where(swapped, a.astype(jnp.float32) * pair_fwd_s, 0.0)
         return (jnp.where(ok, i + 1, num_ranks * slots), guests, quotas, used, holds, crossing, left, busy,
