@@ -147,75 +147,86 @@ def even_quotas(slot_expert, loads, xp=jnp):
 
 
 def _overlap(s_hi, supply, c_hi, capacity, xp):
-    hi = xp.minimum(s_hi[..., :, None], c_hi[..., None, :])
-    lo = xp.maximum((s_hi - supply)[..., :, None], (c_hi - capacity)[..., None, :])
-    return xp.maximum(hi - lo, 0)
+    """Length of the overlap of the intervals [s_hi - supply, s_hi) and [c_hi - capacity, c_hi)."""
+    return xp.maximum(xp.minimum(s_hi, c_hi) - xp.maximum(s_hi - supply, c_hi - capacity), 0)
 
 
-def interval_overlap(supply, capacity, xp=jnp):
-    """[..., n, m] greedy transport: lay supplies and capacities end to end on one line (prefix sums)
-    and send along the overlap of their intervals. Moves min(sum supply, sum capacity)."""
-    return _overlap(xp.cumsum(supply, axis=-1), supply, xp.cumsum(capacity, axis=-1), capacity, xp)
+def _segment_prefix(values, segment, xp):
+    """Inclusive prefix sums of `values` that restart wherever `segment` changes (both in sorted order)."""
+    total = xp.cumsum(values)
+    index = xp.arange(values.shape[0])
+    starts = xp.concatenate([xp.ones(1, bool), segment[1:] != segment[:-1]])
+    marked = xp.where(starts, index, 0)
+    first = np.maximum.accumulate(marked) if xp is np else jax.lax.cummax(marked)
+    return total - (total - values)[first]
 
 
-def route_to_copies(counts, capacity, gpus_per_node: int, tiered: bool = True, xp=jnp):
-    """[E, R(s), R(d)] pairs of expert e from source s to the copy on rank d.
-
-    With tiered=True a source fills copies on its own rank first, then on its own node, then anywhere
-    (each tier an interval overlap of what is left); tiered=False is the topology-oblivious split.
-    Requires capacity.sum(1) == counts.sum(0): every pair lands, nothing is invented.
-    """
-    num_ranks, num_experts = counts.shape
-    supply = counts.T.astype(xp.int32)  # [E, R]
-    capacity = capacity.astype(xp.int32)
-    if not tiered:
-        return interval_overlap(supply, capacity, xp)
-    num_nodes = num_ranks // gpus_per_node
-    node = xp.arange(num_ranks) // gpus_per_node
-    same_rank = xp.eye(num_ranks, dtype=bool)
-    same_node = node[:, None] == node[None, :]
-    local = xp.minimum(supply, capacity)
-    supply = supply - local
-    capacity = capacity - local
-
-    def node_cumsum(x):  # prefix sums that restart at every node
-        return xp.cumsum(x.reshape(num_experts, num_nodes, gpus_per_node), axis=-1).reshape(num_experts, num_ranks)
-
-    # Within a node, the same interval overlap with prefix sums that restart at each node.
-    in_node = xp.where(same_node, _overlap(node_cumsum(supply), supply, node_cumsum(capacity), capacity, xp), 0)
-    supply = supply - in_node.sum(-1)
-    capacity = capacity - in_node.sum(-2)
-    anywhere = interval_overlap(supply, capacity, xp)
-    return anywhere + in_node + xp.where(same_rank, local[:, :, None], 0)
+def _unsort(sorted_values, order, xp):
+    """The values in their original order, given them sorted by `order` (a permutation)."""
+    if xp is np:
+        out = np.empty_like(sorted_values)
+        out[order] = sorted_values
+        return out
+    return jnp.zeros_like(sorted_values).at[order].set(sorted_values)
 
 
 def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: bool, xp=jnp) -> Plan:
-    """The plan for given slot contents and per-slot quotas, routing sources to copies.
+    """The plan for given slot contents and per-slot quotas: every slot takes exactly its quota.
 
-    Only experts with guest copies need a transport problem solved; every other expert sends all its
-    pairs to its home slot. There are at most C = min(E, R * K) of them (one per guest slot): the
-    transport is solved for those, listed in ascending id and padded with -1, so the routing cost
-    does not grow with E."""
+    Greedy transport by interval overlap, per expert: lay its sources (rank order) and its copies
+    (rank order) end to end on one line each, by prefix sums, and send along the overlap of their
+    intervals. With tiered=True a source first fills the copy on its own rank, then copies on its
+    own node (prefix sums that restart at each node), then anywhere, each tier on what the previous
+    left; tiered=False is the topology-oblivious split.
+
+    The work is laid out per slot and source, [R*S, R], not per expert and source and copy rank
+    ([C, R, R]), so it grows with the slots that exist, not with the square of the ranks. An expert
+    with one copy (its home slot) gets all its pairs there, with no special case. Requires
+    sum of quotas per expert == its load: every pair lands and nothing is invented."""
     num_ranks, num_experts = counts.shape
-    home = num_experts // num_ranks
-    guests = slot_expert[:, home:].reshape(-1)
-    num_chosen = max(1, min(num_experts, guests.shape[0]))
-    ids = xp.sort(guests)
-    first = xp.concatenate([ids[:1] >= 0, (ids[1:] != ids[:-1]) & (ids[1:] >= 0)])
-    rank_of = xp.cumsum(first.astype(xp.int32)) - 1
-    chosen = scatter_add((num_chosen + 1,), (xp.where(first, rank_of, num_chosen),),
-                         xp.where(first, ids + 1, 0).astype(xp.int32), xp)[:num_chosen] - 1  # [C], -1 pad
-    match = (slot_expert[:, :, None] == chosen[None, None, :]) & (chosen >= 0)[None, None, :]  # [R, S, C]
-    pos = xp.where(match.any(-1), xp.argmax(match, axis=-1), -1)  # [R(d), S]
-    capacity = (match * quota[:, :, None]).sum(1).T.astype(xp.int32)  # [C, R]
-    supply = xp.where((chosen >= 0)[None, :], counts[:, xp.maximum(chosen, 0)], 0)  # [R, C]
-    flow = route_to_copies(supply, capacity, gpus_per_node, tiered, xp)  # [C, R(s), R(d)]
-    safe = xp.maximum(slot_expert, 0)
-    from_flow = flow[xp.maximum(pos, 0), :, xp.arange(num_ranks)[:, None]]  # [d, j, s]
-    from_home = xp.transpose(counts[:, safe], (1, 2, 0))  # [d, j, s]: all of e's pairs (home slots)
-    routed = xp.where((pos >= 0)[..., None], from_flow, from_home)
-    route = xp.where((slot_expert >= 0)[..., None], routed, 0)
-    return Plan(slot_expert.astype(xp.int32), xp.transpose(route, (2, 0, 1)).astype(xp.int32))
+    num_slots = slot_expert.shape[1]
+    n = num_ranks * num_slots
+    counts = counts.astype(xp.int32)
+    expert = slot_expert.reshape(-1)
+    valid = expert >= 0
+    safe = xp.maximum(expert, 0)
+    capacity = xp.where(valid, quota.reshape(-1), 0).astype(xp.int32)  # [n]
+    slot_ids = xp.arange(n, dtype=xp.int32)
+    rank = slot_ids // num_slots
+    node = rank // gpus_per_node
+    num_nodes = num_ranks // gpus_per_node
+    # Copies of one expert in rank order (a rank holds at most one copy of an expert); empty slots last,
+    # each its own segment.
+    by_expert = xp.where(valid, safe * num_ranks + rank, num_experts * num_ranks + slot_ids)
+    order = xp.argsort(by_expert)
+    segment = xp.where(valid, safe, num_experts + slot_ids)[order]
+
+    def copy_prefix(cap, seg):  # [n] end of each copy's interval among its expert's copies (in seg)
+        return _unsort(_segment_prefix(cap[order], seg, xp), order, xp)
+
+    flow = xp.zeros((n, num_ranks), xp.int32)  # [slot, source]
+    supply = counts
+    if tiered:
+        local = xp.where(valid, xp.minimum(counts[rank, safe], capacity), 0)
+        supply = supply - scatter_add((num_ranks, num_experts), (rank, safe), local, xp)
+        capacity = capacity - local
+        flow = flow + xp.where(xp.arange(num_ranks)[None, :] == rank[:, None], local[:, None], 0)
+        # Within the node: the node's sources and copies, prefix sums restarting at each node.
+        node_supply = xp.cumsum(supply.reshape(num_nodes, gpus_per_node, num_experts), axis=1)
+        src = node[:, None] * gpus_per_node + xp.arange(gpus_per_node)[None, :]  # [n, G]
+        s_hi = node_supply.reshape(num_ranks, num_experts)[src, safe[:, None]]
+        c_hi = copy_prefix(capacity, xp.where(valid, safe * num_nodes + node, num_experts * num_nodes + slot_ids)[order])
+        in_node = _overlap(s_hi, supply[src, safe[:, None]], c_hi[:, None], capacity[:, None], xp)  # [n, G]
+        supply = supply - scatter_add((num_ranks, num_experts), (src, xp.broadcast_to(safe[:, None], src.shape)),
+                                      in_node, xp)
+        capacity = capacity - in_node.sum(1)
+        same_node = node[:, None] == (xp.arange(num_ranks) // gpus_per_node)[None, :]
+        flow = flow + xp.where(same_node, in_node[:, xp.arange(num_ranks) % gpus_per_node], 0)
+    s_hi = xp.cumsum(supply, axis=0)[:, safe].T  # [n, R]
+    anywhere = _overlap(s_hi, supply[:, safe].T, copy_prefix(capacity, segment)[:, None], capacity[:, None], xp)
+    flow = xp.where(valid[:, None], flow + anywhere, 0)
+    route = xp.transpose(flow.reshape(num_ranks, num_slots, num_ranks), (2, 0, 1))
+    return Plan(slot_expert.astype(xp.int32), route.astype(xp.int32))
 
 
 def guest_quotas_to_slots(placement, guest_expert, guest_quota, loads, xp=jnp):
@@ -225,6 +236,18 @@ def guest_quotas_to_slots(placement, guest_expert, guest_quota, loads, xp=jnp):
     taken = (one_hot(guest_expert, num_experts, xp) * guest_quota[..., None]).sum((0, 1))  # [E]
     home_quota = loads[placement] - taken[placement]
     return slot_expert, xp.concatenate([home_quota, guest_quota], axis=1).astype(xp.int32)
+
+
+def uncovered_node_pairs(counts, loads, spill, cand, cand_home, gpus_per_node: int):
+    """[N, C] pairs of each candidate expert from each node that no copy on that node takes yet: on
+    remote nodes all of them (they cross the scale-out link to the home), on the home node those
+    beyond what the home slot keeps after spilling. A copy placed on node n and fed by n's own pairs
+    (locality-tiered routing) turns up to this many pairs into intra-node traffic."""
+    num_ranks, num_experts = counts.shape
+    node_pairs = counts.reshape(-1, gpus_per_node, num_experts).sum(1)[:, cand].astype(jnp.float32)
+    remote = jnp.arange(node_pairs.shape[0])[:, None] != (cand_home // gpus_per_node)[None, :]
+    kept = (loads[cand] - spill[cand]).astype(jnp.float32)
+    return jnp.where(remote, node_pairs, jnp.maximum(node_pairs - kept[None, :], 0.0))
 
 
 def node_link_class(topology: Topology, xp=jnp):

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jtopoep.plan import Plan
 from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, copy_exposure, finish_plan,
                                      home_rank_of_experts, make_copy, node_link_class, spill_per_expert,
-                                     start_copies)
+                                     start_copies, uncovered_node_pairs)
 from jtopoep.planners.sinkhorn import sinkhorn
 
 
@@ -77,9 +77,7 @@ class TaotPlanner(PlannerBase):
         rank_ids = jnp.arange(num_ranks, dtype=jnp.int32)
         gpus = self.topology.gpus_per_node
         rank_node = rank_ids // gpus
-        # Pairs of each candidate that each node sends across the scale-out link to its home node.
-        node_pairs = counts.reshape(-1, gpus, num_experts).sum(1)[:, cand].astype(jnp.float32)  # [N, C]
-        crossing0 = jnp.where(rank_node[::gpus][:, None] != (home // gpus)[None, :], node_pairs, 0.0)
+        crossing0 = uncovered_node_pairs(counts, loads, spill0, cand, home, gpus)  # [N, C]
 
         def step(carry):
             state, hint, crossing = carry

@@ -36,7 +36,7 @@ from jtopoep.costmodel import EXCHANGES_PER_LAYER
 from jtopoep.plan import Plan
 from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, copy_exposure, finish_plan,
                                      home_rank_of_experts, make_copy, node_link_class, spill_per_expert,
-                                     start_copies)
+                                     start_copies, uncovered_node_pairs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +46,6 @@ class TopoEPPlanner(PlannerBase):
         nodes, gpus, slots = self.topology.num_nodes, self.gpus_per_node, self.guest_slots
         loads = counts.sum(0)
         target = ceil_div(loads.sum(), num_ranks)
-        home_node = home_rank_of_experts(placement) // gpus  # [E]
-        node_pairs = counts.reshape(nodes, gpus, num_experts).sum(1).astype(jnp.float32)  # [N, E]
         thr_intra, thr_inter = self.gain_thresholds()
         if self.dims is None:
             pair_bytes, copy_bytes = 1.0, 0.0
@@ -66,9 +64,8 @@ class TopoEPPlanner(PlannerBase):
         expert_ids = jnp.arange(num_cand, dtype=jnp.int32)
         cand_home = home_rank_of_experts(placement)[cand]  # [C]
 
-        remote = node_ids[:, None] != home_node[cand][None, :]  # [N, C]
-        # Pairs of e from node n that cross the scale-out link to reach e's home node.
-        crossing0 = jnp.where(remote, node_pairs[:, cand], 0.0)
+        remote = node_ids[:, None] != (cand_home // gpus)[None, :]  # [N, C]
+        crossing0 = uncovered_node_pairs(counts, loads, spill0, cand, cand_home, gpus)  # [N, C]
         never = jnp.int32(-1)
         rank_ids = jnp.arange(num_ranks)
         rank_remote = node_link_class(self.topology)  # [R, R] across nodes
