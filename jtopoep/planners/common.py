@@ -123,6 +123,16 @@ def spill_per_expert(loads, placement, target, xp=jnp):
     return (one_hot(experts_sorted, loads.shape[0], xp) * spill_sorted[..., None]).sum((0, 1))
 
 
+def spill_candidates(spill, loads, num: int):
+    """The `num` experts with the most spill, ties by load, then by lowest index (one sort of E).
+
+    A copy loop makes one copy per step into R * K slots, so it only ever copies experts among these
+    with num = min(E, R * K); its cost then does not grow with E. The hottest non-spilling experts
+    fill the list after the spilling ones, which is what the locality swaps look at."""
+    ids = jnp.arange(spill.shape[0], dtype=jnp.int32)
+    return jax.lax.sort((-spill, -loads, ids), num_keys=3)[2][:num]
+
+
 def scatter_add(shape, index: tuple, values, xp=jnp):
     """zeros(shape) with values added at index; integer, so the result does not depend on order."""
     if xp is np:
@@ -347,16 +357,17 @@ def make_copy(state: CopyState, e, d, amount, ok, cand, home, link, pair_fwd_s: 
         clock=clock_after_copy(state.clock, home, d, link, amount.astype(jnp.float32) * pair_fwd_s, ok))
 
 
-def finish_plan(planner: PlannerBase, counts, placement, state: CopyState) -> Plan:
-    """Locality swaps into the slots left (they need expert shapes to be priced), then the plan."""
+def finish_plan(planner: PlannerBase, counts, placement, state: CopyState, cand) -> Plan:
+    """Locality swaps among the candidates into the slots left (they need expert shapes to be
+    priced), then the plan."""
     guests, quotas = state.guests, state.quotas
     if planner.dims is not None:
-        guests, quotas = locality_swaps(counts, placement, guests, quotas, planner.topology, planner.dims)
+        guests, quotas = locality_swaps(counts, placement, guests, quotas, cand, planner.topology, planner.dims)
     slot_expert, quota = guest_quotas_to_slots(placement, guests, quotas, counts.sum(0))
     return plan_from_quotas(counts, slot_expert, quota, planner.topology.gpus_per_node, True, jnp)
 
 
-def locality_swaps(counts, placement, guests, quotas, topology: Topology, dims: ExpertDims):
+def locality_swaps(counts, placement, guests, quotas, cand, topology: Topology, dims: ExpertDims):
     """Fill free guest slots with pairs of swapped copies that keep every rank's load unchanged.
 
     Two hot experts e1 and e2 with home ranks h1 and h2 on different nodes: a copy of e1 on h2 takes
@@ -367,7 +378,9 @@ def locality_swaps(counts, placement, guests, quotas, topology: Topology, dims: 
     ranks' weight transfers (sent and received) still hide behind their home-slot forward GEMMs, the
     cost model's condition for a transfer to cost no time.
 
-    guests, quotas: [R, K] copies already made (expert id or -1, pairs each). Returns them extended.
+    guests, quotas: [R, K] copies already made (expert id or -1, pairs each); cand: [C] the experts
+    that may be swapped (spill_candidates: only the hottest can pay for two weight transfers, and at
+    most R * K / 2 swaps fit). Returns guests and quotas extended.
     """
     num_ranks, num_experts = counts.shape
     slots = guests.shape[1]
@@ -395,9 +408,7 @@ def locality_swaps(counts, placement, guests, quotas, topology: Topology, dims: 
     sent = scatter_add((num_ranks,), (src,), ship)
     received = ship.sum(1)
     hide = (loads - taken)[placement].sum(1).astype(jnp.float32) * pair_fwd_s
-    # Only the hottest experts can pay for two weight transfers; at most R * K / 2 swaps fit.
-    num_cand = min(num_experts, num_ranks * slots)
-    cand = jnp.argsort(-loads, stable=True)[:num_cand]
+    num_cand = cand.shape[0]
     cand_rank = home_rank[cand]  # [C]
     cand_node = home_node[cand]
     holds = (one_hot(placement, num_experts).sum(1) > 0) | (

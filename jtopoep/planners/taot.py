@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jtopoep.plan import Plan
 from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, copy_exposure, finish_plan,
                                      home_rank_of_experts, make_copy, node_link_class, spill_per_expert,
-                                     start_copies, uncovered_node_pairs)
+                                     spill_candidates, start_copies, uncovered_node_pairs)
 from jtopoep.planners.sinkhorn import sinkhorn
 
 
@@ -66,7 +66,7 @@ class TaotPlanner(PlannerBase):
         # At most R * K copies are made, each for an expert with spill: the R * K experts with the
         # most spill are the only candidates, which keeps the loop's cost independent of E.
         num_cand = min(num_experts, num_ranks * slots)
-        cand = jnp.argsort(-spill0, stable=True)[:num_cand]
+        cand = spill_candidates(spill0, loads, num_cand)
         home = home_rank_of_experts(placement)[cand]  # [C]
         cost = jnp.asarray(self.topology.link_cost())
         thr_intra, thr_inter = self.gain_thresholds()
@@ -110,4 +110,4 @@ class TaotPlanner(PlannerBase):
         hint = self.flow_hint(counts, placement).plan
         state, _, _ = jax.lax.while_loop(lambda c: c[0].step < num_ranks * slots, step,
                                          (state, carry_like(hint, counts), carry_like(crossing0, counts)))
-        return finish_plan(self, counts, placement, state)
+        return finish_plan(self, counts, placement, state, cand)

@@ -36,7 +36,7 @@ from jtopoep.costmodel import EXCHANGES_PER_LAYER
 from jtopoep.plan import Plan
 from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, copy_exposure, finish_plan,
                                      home_rank_of_experts, make_copy, node_link_class, spill_per_expert,
-                                     start_copies, uncovered_node_pairs)
+                                     spill_candidates, start_copies, uncovered_node_pairs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +55,8 @@ class TopoEPPlanner(PlannerBase):
         link_s, pair_fwd_s, pair_s = self.transfer_costs()
         node_ids = jnp.arange(nodes, dtype=jnp.int32)
         spill0 = spill_per_expert(loads, placement, target)
-        # Each step makes at most one copy and there are R * K slots, so at most R * K experts ever
-        # get one, all among the R * K with the most spill (then load): the loop runs on those
-        # candidates only, which keeps its cost independent of E.
         num_cand = min(num_experts, num_ranks * slots)
-        by_load = jnp.argsort(-loads, stable=True)
-        cand = by_load[jnp.argsort(-spill0[by_load], stable=True)][:num_cand]  # [C] expert ids
+        cand = spill_candidates(spill0, loads, num_cand)  # [C] expert ids
         expert_ids = jnp.arange(num_cand, dtype=jnp.int32)
         cand_home = home_rank_of_experts(placement)[cand]  # [C]
 
@@ -109,7 +105,7 @@ class TopoEPPlanner(PlannerBase):
         # exit test reads only values every device holds identically, so all stop at the same step.
         state, _ = jax.lax.while_loop(lambda c: c[0].step < num_ranks * slots, step,
                                       (state, carry_like(crossing0, counts)))
-        return finish_plan(self, counts, placement, state)
+        return finish_plan(self, counts, placement, state, cand)
 
     @property
     def gpus_per_node(self) -> int:
