@@ -95,10 +95,26 @@ def carry_like(state, ref):
 
 
 def home_rank_of_experts(placement, xp=jnp):
-    """[E] home rank of each expert under the placement."""
+    """[E] home rank of each expert under the placement (a permutation of the experts)."""
     num_ranks, home = placement.shape
-    ranks = xp.arange(num_ranks, dtype=xp.int32)[:, None, None]
-    return (one_hot(placement, num_ranks * home, xp) * ranks).sum((0, 1))
+    ranks = xp.repeat(xp.arange(num_ranks, dtype=xp.int32), home)
+    return _scatter_set(num_ranks * home, placement.reshape(-1), ranks, xp)
+
+
+def holds_home(placement, num_experts: int, xp=jnp):
+    """[R, E] True where the rank is the expert's home."""
+    num_ranks = placement.shape[0]
+    return home_rank_of_experts(placement, xp)[None, :] == xp.arange(num_ranks, dtype=xp.int32)[:, None]
+
+
+def _scatter_set(size: int, index, values, xp):
+    """zeros(size) with values written at index; every index at most once, so order cannot matter.
+    A scatter of n values costs n, where a one-hot reduction costs n * size."""
+    if xp is np:
+        out = np.zeros(size, values.dtype)
+        out[index] = values
+        return out
+    return jnp.zeros(size, values.dtype).at[index].set(values, unique_indices=True)
 
 
 def one_hot(ids, n, xp=jnp):
@@ -111,16 +127,18 @@ def ceil_div(a, b):
 
 
 def spill_per_expert(loads, placement, target, xp=jnp):
-    """[E] pairs above target on each rank, attributed to its home experts hottest first."""
+    """[E] pairs above target on each rank, attributed to its home experts hottest first (ties to
+    the lower slot)."""
     home_loads = loads[placement]  # [R, H]
-    order = xp.argsort(-home_loads, axis=1, stable=True)
-    sorted_loads = xp.take_along_axis(home_loads, order, axis=1)
+    slot = xp.arange(placement.shape[1])
+    mine, other = home_loads[:, :, None], home_loads[:, None, :]
+    # Pairs of the rank's experts that shed before each one: a pairwise count over the H home
+    # slots, which is cheaper than a per-row sort for the few slots a rank has.
+    ahead = (other > mine) | ((other == mine) & (slot[None, None, :] < slot[None, :, None]))  # [R, H, H]
+    before = (ahead * other).sum(2)
     excess = xp.maximum(home_loads.sum(1) - target, 0)[:, None]
-    before = xp.cumsum(sorted_loads, axis=1) - sorted_loads
-    spill_sorted = xp.minimum(sorted_loads, xp.maximum(excess - before, 0))
-    experts_sorted = xp.take_along_axis(placement, order, axis=1)
-    # Each expert has exactly one home slot, so this scatter writes every index once.
-    return (one_hot(experts_sorted, loads.shape[0], xp) * spill_sorted[..., None]).sum((0, 1))
+    spill = xp.minimum(home_loads, xp.maximum(excess - before, 0))
+    return _scatter_set(loads.shape[0], placement.reshape(-1), spill.reshape(-1).astype(loads.dtype), xp)
 
 
 def spill_candidates(spill, loads, num: int):
@@ -243,7 +261,7 @@ def guest_quotas_to_slots(placement, guest_expert, guest_quota, loads, xp=jnp):
     """Slots [R, S] and quotas [R, S] from guest copies: each home slot keeps what its guests do not take."""
     num_experts = loads.shape[0]
     slot_expert = xp.concatenate([placement, guest_expert], axis=1).astype(xp.int32)
-    taken = (one_hot(guest_expert, num_experts, xp) * guest_quota[..., None]).sum((0, 1))  # [E]
+    taken = scatter_add((num_experts,), (xp.maximum(guest_expert, 0),), xp.where(guest_expert >= 0, guest_quota, 0), xp)
     home_quota = loads[placement] - taken[placement]
     return slot_expert, xp.concatenate([home_quota, guest_quota], axis=1).astype(xp.int32)
 
@@ -334,7 +352,7 @@ def start_copies(counts, placement, cand, spill, target, slots: int, pair_fwd_s:
     rank_loads = counts.sum(0)[placement].sum(1)
     state = CopyState(
         jnp.int32(0), spill[cand], jnp.maximum(target - rank_loads, 0), jnp.zeros(num_ranks, jnp.int32),
-        (one_hot(placement, num_experts).sum(1) > 0)[:, cand], jnp.full((num_ranks, slots), -1, jnp.int32),
+        holds_home(placement, num_experts)[:, cand], jnp.full((num_ranks, slots), -1, jnp.int32),
         jnp.zeros((num_ranks, slots), jnp.int32),
         TransferClock(jnp.zeros(num_ranks), jnp.zeros(num_ranks), rank_loads.astype(jnp.float32) * pair_fwd_s))
     return carry_like(state, counts)
@@ -411,11 +429,10 @@ def locality_swaps(counts, placement, guests, quotas, cand, topology: Topology, 
     num_cand = cand.shape[0]
     cand_rank = home_rank[cand]  # [C]
     cand_node = home_node[cand]
-    holds = (one_hot(placement, num_experts).sum(1) > 0) | (
-        one_hot(guests, num_experts).sum(1) > 0)  # [R, E]
+    holds = holds_home(placement, num_experts)[:, cand] | (guests[:, :, None] == cand[None, None, :]).any(1)  # [R, C]
     rank_ids = jnp.arange(num_ranks, dtype=jnp.int32)
     slot_ids = jnp.arange(slots, dtype=jnp.int32)
-    state = (jnp.int32(0), guests, quotas, occupied.sum(1).astype(jnp.int32), holds[:, cand],
+    state = (jnp.int32(0), guests, quotas, occupied.sum(1).astype(jnp.int32), holds,
              crossing[:, cand], (loads - taken)[cand], jnp.maximum(sent, received), hide)
     state = carry_like(state, counts)
 
