@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtopoep.costmodel import EXCHANGES_PER_LAYER, ExpertDims, copy_break_even_pairs
+from jtopoep.ordering import descending_key, key_range, stable_order
 from jtopoep.plan import Plan, home_plan
 from jtopoep.topology import Topology
 
@@ -142,13 +143,25 @@ def spill_per_expert(loads, placement, target, xp=jnp):
 
 
 def spill_candidates(spill, loads, num: int):
-    """The `num` experts with the most spill, ties by load, then by lowest index (one sort of E).
+    """The `num` experts with the most spill, ties by load, then by lowest index.
 
     A copy loop makes one copy per step into R * K slots, so it only ever copies experts among these
     with num = min(E, R * K); its cost then does not grow with E. The hottest non-spilling experts
-    fill the list after the spilling ones, which is what the locality swaps look at."""
-    ids = jnp.arange(spill.shape[0], dtype=jnp.int32)
-    return jax.lax.sort((-spill, -loads, ids), num_keys=3)[2][:num]
+    fill the list after the spilling ones, which is what the locality swaps look at. Two packed
+    single-key sorts (jtopoep.ordering) instead of one sort with two keys and a payload."""
+    bound = key_range(spill.shape[0])  # counts of pairs stay far below it (8M for E = 256)
+    by_load = stable_order(descending_key(loads, bound), bound)
+    # A stable sort by spill of the experts in load order keeps load order among equal spills.
+    return by_load[stable_order(descending_key(spill[by_load], bound), bound)][:num]
+
+
+def prefix_sum(x, axis: int = 0, xp=jnp):
+    """Inclusive prefix sums along `axis`. XLA:CPU lowers jnp.cumsum to a reduce-window whose cost
+    grows with the square of the axis; an associative scan does log2(n) passes instead (about 3x
+    faster on a [32, 256] array here) and gives the same integers on any backend."""
+    if xp is np:
+        return np.cumsum(x, axis=axis)
+    return jax.lax.associative_scan(jnp.add, x, axis=axis)
 
 
 def scatter_add(shape, index: tuple, values, xp=jnp):
@@ -167,7 +180,7 @@ def even_quotas(slot_expert, loads, xp=jnp):
     flat = slot_expert.reshape(-1)
     hot = one_hot(flat, loads.shape[0], xp)  # [R*S, E]
     copies = hot.sum(0)  # [E]
-    index_in_expert = ((xp.cumsum(hot, axis=0) - hot) * hot).sum(1)
+    index_in_expert = ((prefix_sum(hot, 0, xp) - hot) * hot).sum(1)
     safe = xp.maximum(flat, 0)
     n = xp.maximum(copies[safe], 1)
     quota = loads[safe] // n + (index_in_expert < loads[safe] % n).astype(xp.int32)
@@ -181,7 +194,7 @@ def _overlap(s_hi, supply, c_hi, capacity, xp):
 
 def _segment_prefix(values, segment, xp):
     """Inclusive prefix sums of `values` that restart wherever `segment` changes (both in sorted order)."""
-    total = xp.cumsum(values)
+    total = prefix_sum(values, 0, xp)
     index = xp.arange(values.shape[0])
     starts = xp.concatenate([xp.ones(1, bool), segment[1:] != segment[:-1]])
     marked = xp.where(starts, index, 0)
@@ -226,21 +239,22 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     # Copies of one expert in rank order (a rank holds at most one copy of an expert); empty slots last,
     # each its own segment.
     by_expert = xp.where(valid, safe * num_ranks + rank, num_experts * num_ranks + slot_ids)
-    order = xp.argsort(by_expert)
+    order = stable_order(by_expert, num_experts * num_ranks + n, xp)
     segment = xp.where(valid, safe, num_experts + slot_ids)[order]
 
     def copy_prefix(cap, seg):  # [n] end of each copy's interval among its expert's copies (in seg)
         return _unsort(_segment_prefix(cap[order], seg, xp), order, xp)
 
-    flow = xp.zeros((n, num_ranks), xp.int32)  # [slot, source]
+    sources = xp.arange(num_ranks)
+    flow = xp.zeros((num_ranks, n), xp.int32)  # [source, slot]: the route's own layout, no transpose
     supply = counts
     if tiered:
         local = xp.where(valid, xp.minimum(counts[rank, safe], capacity), 0)
         supply = supply - scatter_add((num_ranks, num_experts), (rank, safe), local, xp)
         capacity = capacity - local
-        flow = flow + xp.where(xp.arange(num_ranks)[None, :] == rank[:, None], local[:, None], 0)
+        flow = flow + xp.where(sources[:, None] == rank[None, :], local[None, :], 0)
         # Within the node: the node's sources and copies, prefix sums restarting at each node.
-        node_supply = xp.cumsum(supply.reshape(num_nodes, gpus_per_node, num_experts), axis=1)
+        node_supply = prefix_sum(supply.reshape(num_nodes, gpus_per_node, num_experts), 1, xp)
         src = node[:, None] * gpus_per_node + xp.arange(gpus_per_node)[None, :]  # [n, G]
         s_hi = node_supply.reshape(num_ranks, num_experts)[src, safe[:, None]]
         c_hi = copy_prefix(capacity, xp.where(valid, safe * num_nodes + node, num_experts * num_nodes + slot_ids)[order])
@@ -248,13 +262,12 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
         supply = supply - scatter_add((num_ranks, num_experts), (src, xp.broadcast_to(safe[:, None], src.shape)),
                                       in_node, xp)
         capacity = capacity - in_node.sum(1)
-        same_node = node[:, None] == (xp.arange(num_ranks) // gpus_per_node)[None, :]
-        flow = flow + xp.where(same_node, in_node[:, xp.arange(num_ranks) % gpus_per_node], 0)
-    s_hi = xp.cumsum(supply, axis=0)[:, safe].T  # [n, R]
-    anywhere = _overlap(s_hi, supply[:, safe].T, copy_prefix(capacity, segment)[:, None], capacity[:, None], xp)
-    flow = xp.where(valid[:, None], flow + anywhere, 0)
-    route = xp.transpose(flow.reshape(num_ranks, num_slots, num_ranks), (2, 0, 1))
-    return Plan(slot_expert.astype(xp.int32), route.astype(xp.int32))
+        same_node = (sources // gpus_per_node)[:, None] == node[None, :]
+        flow = flow + xp.where(same_node, in_node.T[sources % gpus_per_node], 0)
+    s_hi = prefix_sum(supply, 0, xp)[:, safe]  # [R, n]
+    anywhere = _overlap(s_hi, supply[:, safe], copy_prefix(capacity, segment)[None, :], capacity[None, :], xp)
+    flow = xp.where(valid[None, :], flow + anywhere, 0)
+    return Plan(slot_expert.astype(xp.int32), flow.reshape(num_ranks, num_ranks, num_slots).astype(xp.int32))
 
 
 def guest_quotas_to_slots(placement, guest_expert, guest_quota, loads, xp=jnp):

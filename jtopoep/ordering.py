@@ -1,0 +1,37 @@
+"""Stable sort orders through one single-operand sort.
+
+XLA:CPU sorts a lone int32 array far faster than it sorts keys with a payload: `jnp.argsort` carries
+an index through a generic comparator, about 35 us for 256 keys and 5.5 ms for 32768 on this
+machine, where sorting the int32 values alone takes about 1 us and 1 ms. Packing key * n + index
+into one int32 gives the same stable order whenever it fits in 31 bits, which the shapes decide
+statically; when it does not, these fall back to argsort.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+_INT32_LIMIT = 2**31
+
+
+def stable_order(keys, num_keys: int, xp=jnp):
+    """The permutation that sorts `keys` (integers in [0, num_keys)) ascending along the last axis,
+    ties to the lower index: argsort(keys, stable=True)."""
+    n = keys.shape[-1]
+    if xp is np or num_keys * n > _INT32_LIMIT:
+        return xp.argsort(keys, axis=-1, stable=True).astype(xp.int32)
+    packed = keys.astype(jnp.int32) * n + jnp.arange(n, dtype=jnp.int32)
+    return jnp.sort(packed, axis=-1) % n
+
+
+def descending_key(values, num_keys: int, xp=jnp):
+    """Keys in [0, num_keys) that order non-negative `values` largest first; values of num_keys - 1
+    and above share the first key (then order by index). For ordering counts, where that bound
+    (2**31 / n) is far above any count of pairs."""
+    return (num_keys - 1 - xp.minimum(values, num_keys - 1)).astype(xp.int32)
+
+
+def key_range(n: int) -> int:
+    """The most distinct keys stable_order packs for rows of n without falling back."""
+    return _INT32_LIMIT // n
