@@ -20,6 +20,9 @@ from jtopoep.ordering import descending_key, key_range, stable_order
 from jtopoep.plan import Plan, home_plan
 from jtopoep.topology import Topology
 
+# The locality swaps search the hottest candidates only; see locality_swaps.
+SWAP_CANDIDATES = 16
+
 
 @dataclasses.dataclass(frozen=True)
 class PlannerBase:
@@ -220,33 +223,49 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     own node (prefix sums that restart at each node), then anywhere, each tier on what the previous
     left; tiered=False is the topology-oblivious split.
 
-    The work is laid out per slot and source, [R*S, R], not per expert and source and copy rank
-    ([C, R, R]), so it grows with the slots that exist, not with the square of the ranks. An expert
-    with one copy (its home slot) gets all its pairs there, with no special case. Requires
+    Only experts with guest copies need this; every other expert sends all its pairs to its home
+    slot. The transport runs on the m = 2 * R * K slots that can hold such copies (the guest slots,
+    and the home slot of each guest's expert, listed once), laid out per source and slot, [R, m]:
+    its cost grows with the guest slots, not with E or with the square of the ranks. Requires
     sum of quotas per expert == its load: every pair lands and nothing is invented."""
     num_ranks, num_experts = counts.shape
     num_slots = slot_expert.shape[1]
+    home = num_experts // num_ranks
+    guest_slots = num_slots - home
     n = num_ranks * num_slots
     counts = counts.astype(xp.int32)
-    expert = slot_expert.reshape(-1)
+    flat_expert = slot_expert.reshape(-1)
+    # Every pair of an expert without guests goes to its home slot.
+    base = xp.where((flat_expert >= 0)[None, :], counts[:, xp.maximum(flat_expert, 0)], 0)  # [R(s), n]
+    if guest_slots == 0:
+        return Plan(slot_expert.astype(xp.int32), base.reshape(num_ranks, num_ranks, num_slots))
+    slot_of = (xp.arange(num_ranks)[:, None] * num_slots + xp.arange(num_slots)[None, :]).astype(xp.int32)
+    home_slot = _scatter_set(num_experts, slot_expert[:, :home].reshape(-1), slot_of[:, :home].reshape(-1), xp)
+    guest = slot_expert[:, home:].reshape(-1)  # [R*K]
+    num_guests = guest.shape[0]
+    later = xp.arange(num_guests)[:, None] > xp.arange(num_guests)[None, :]
+    first = (guest >= 0) & ~((guest[:, None] == guest[None, :]) & later).any(1)  # first guest of its expert
+    listed = xp.concatenate([slot_of[:, home:].reshape(-1), xp.where(first, home_slot[xp.maximum(guest, 0)], -1)])
+    m = listed.shape[0]
+    ids = xp.arange(m, dtype=xp.int32)
+    expert = xp.where(listed >= 0, flat_expert[xp.maximum(listed, 0)], -1)
     valid = expert >= 0
     safe = xp.maximum(expert, 0)
-    capacity = xp.where(valid, quota.reshape(-1), 0).astype(xp.int32)  # [n]
-    slot_ids = xp.arange(n, dtype=xp.int32)
-    rank = slot_ids // num_slots
+    capacity = xp.where(valid, quota.reshape(-1)[xp.maximum(listed, 0)], 0).astype(xp.int32)  # [m]
+    rank = xp.maximum(listed, 0) // num_slots
     node = rank // gpus_per_node
     num_nodes = num_ranks // gpus_per_node
-    # Copies of one expert in rank order (a rank holds at most one copy of an expert); empty slots last,
-    # each its own segment.
-    by_expert = xp.where(valid, safe * num_ranks + rank, num_experts * num_ranks + slot_ids)
-    order = stable_order(by_expert, num_experts * num_ranks + n, xp)
-    segment = xp.where(valid, safe, num_experts + slot_ids)[order]
+    # Copies of one expert in rank order (a rank holds at most one copy of an expert); unused entries
+    # last, each its own segment.
+    by_expert = xp.where(valid, safe * num_ranks + rank, num_experts * num_ranks + ids)
+    order = stable_order(by_expert, num_experts * num_ranks + m, xp)
+    segment = xp.where(valid, safe, num_experts + ids)[order]
 
-    def copy_prefix(cap, seg):  # [n] end of each copy's interval among its expert's copies (in seg)
+    def copy_prefix(cap, seg):  # [m] end of each copy's interval among its expert's copies (in seg)
         return _unsort(_segment_prefix(cap[order], seg, xp), order, xp)
 
     sources = xp.arange(num_ranks)
-    flow = xp.zeros((num_ranks, n), xp.int32)  # [source, slot]: the route's own layout, no transpose
+    flow = xp.zeros((num_ranks, m), xp.int32)  # [source, listed slot]
     supply = counts
     if tiered:
         local = xp.where(valid, xp.minimum(counts[rank, safe], capacity), 0)
@@ -254,20 +273,24 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
         capacity = capacity - local
         flow = flow + xp.where(sources[:, None] == rank[None, :], local[None, :], 0)
         # Within the node: the node's sources and copies, prefix sums restarting at each node.
-        node_supply = prefix_sum(supply.reshape(num_nodes, gpus_per_node, num_experts), 1, xp)
-        src = node[:, None] * gpus_per_node + xp.arange(gpus_per_node)[None, :]  # [n, G]
-        s_hi = node_supply.reshape(num_ranks, num_experts)[src, safe[:, None]]
-        c_hi = copy_prefix(capacity, xp.where(valid, safe * num_nodes + node, num_experts * num_nodes + slot_ids)[order])
-        in_node = _overlap(s_hi, supply[src, safe[:, None]], c_hi[:, None], capacity[:, None], xp)  # [n, G]
+        src = node[:, None] * gpus_per_node + xp.arange(gpus_per_node)[None, :]  # [m, G]
+        node_supply = supply[src, safe[:, None]]
+        s_hi = prefix_sum(node_supply, 1, xp)
+        c_hi = copy_prefix(capacity, xp.where(valid, safe * num_nodes + node, num_experts * num_nodes + ids)[order])
+        in_node = _overlap(s_hi, node_supply, c_hi[:, None], capacity[:, None], xp)  # [m, G]
         supply = supply - scatter_add((num_ranks, num_experts), (src, xp.broadcast_to(safe[:, None], src.shape)),
                                       in_node, xp)
         capacity = capacity - in_node.sum(1)
         same_node = (sources // gpus_per_node)[:, None] == node[None, :]
         flow = flow + xp.where(same_node, in_node.T[sources % gpus_per_node], 0)
-    s_hi = prefix_sum(supply, 0, xp)[:, safe]  # [R, n]
-    anywhere = _overlap(s_hi, supply[:, safe], copy_prefix(capacity, segment)[None, :], capacity[None, :], xp)
+    supply = supply[:, safe]  # [R, m]
+    anywhere = _overlap(prefix_sum(supply, 0, xp), supply, copy_prefix(capacity, segment)[None, :],
+                        capacity[None, :], xp)
     flow = xp.where(valid[None, :], flow + anywhere, 0)
-    return Plan(slot_expert.astype(xp.int32), flow.reshape(num_ranks, num_ranks, num_slots).astype(xp.int32))
+    # Each listed slot is listed once; unused entries write past the end and are cut off.
+    position = _scatter_set(n + m, xp.where(listed >= 0, listed, n + ids), ids + 1, xp)[:n] - 1  # -1: not listed
+    route = xp.where((position >= 0)[None, :], flow[:, xp.maximum(position, 0)], base)
+    return Plan(slot_expert.astype(xp.int32), route.reshape(num_ranks, num_ranks, num_slots).astype(xp.int32))
 
 
 def guest_quotas_to_slots(placement, guest_expert, guest_quota, loads, xp=jnp):
@@ -435,18 +458,36 @@ def locality_swaps(counts, placement, guests, quotas, cand, topology: Topology, 
     # the home-slot forward GEMM seconds that can hide them.
     ranks = jnp.broadcast_to(jnp.arange(num_ranks)[:, None], guests.shape)
     src = home_rank[jnp.maximum(guests, 0)]
-    ship = jnp.where(occupied, link_s[src, ranks], 0.0)
-    sent = scatter_add((num_ranks,), (src,), ship)
-    received = ship.sum(1)
+    # Counted in whole transfers per link class, then priced: no float scatter-add, whose order
+    # (and so whose rounding) could differ between devices.
+    inter = node_link_class(topology)[src, ranks]
+    sent = jnp.zeros(num_ranks, jnp.float32)
+    received = jnp.zeros(num_ranks, jnp.float32)
+    for link_class, bandwidth in ((False, topology.intra_bw), (True, topology.inter_bw)):
+        mine = occupied & (inter == link_class)
+        seconds = jnp.float32(dims.expert_bytes / bandwidth)
+        sent = sent + scatter_add((num_ranks,), (src,), mine.astype(jnp.int32)).astype(jnp.float32) * seconds
+        received = received + mine.sum(1).astype(jnp.float32) * seconds
+    busy = jnp.maximum(sent, received)
     hide = (loads - taken)[placement].sum(1).astype(jnp.float32) * pair_fwd_s
+    left = (loads - taken)[cand]
+    # Only the hottest can pay for two weight transfers (each swap moves at most what is left of
+    # both experts): the swap search runs on the SWAP_CANDIDATES with the most pairs left.
+    hot = stable_order(descending_key(left, key_range(cand.shape[0])), key_range(cand.shape[0]))
+    hot = hot[:min(cand.shape[0], SWAP_CANDIDATES)]
+    cand, left = cand[hot], left[hot]
     num_cand = cand.shape[0]
     cand_rank = home_rank[cand]  # [C]
     cand_node = home_node[cand]
     holds = holds_home(placement, num_experts)[:, cand] | (guests[:, :, None] == cand[None, None, :]).any(1)  # [R, C]
     rank_ids = jnp.arange(num_ranks, dtype=jnp.int32)
     slot_ids = jnp.arange(slots, dtype=jnp.int32)
+    # Invariant over the loop: what shipping one expert between the two homes costs, and which
+    # pairs of candidates live on different nodes.
+    cost = link_s[cand_rank[:, None], cand_rank[None, :]]
+    apart = cand_node[:, None] != cand_node[None, :]
     state = (jnp.int32(0), guests, quotas, occupied.sum(1).astype(jnp.int32), holds,
-             crossing[:, cand], (loads - taken)[cand], jnp.maximum(sent, received), hide)
+             crossing[:, cand], left, busy, hide)
     state = carry_like(state, counts)
 
     def step(state):
@@ -454,10 +495,8 @@ def locality_swaps(counts, placement, guests, quotas, cand, topology: Topology, 
         pull = crossing[cand_node, :]  # [e2, e1]: pairs of e1 from e2's home node
         amount = jnp.minimum(jnp.minimum(pull.T, pull), jnp.minimum(left[:, None], left[None, :]))  # [e1, e2]
         free = used[cand_rank] < slots
-        fits = (free[:, None] & free[None, :] & ~holds[cand_rank, :] & ~holds[cand_rank, :].T
-                & (cand_node[:, None] != cand_node[None, :]))
+        fits = free[:, None] & free[None, :] & ~holds[cand_rank, :] & ~holds[cand_rank, :].T & apart
         # Each rank sends one expert and receives one more; its home slots lose `amount` pairs.
-        cost = link_s[cand_rank[:, None], cand_rank[None, :]]
         after = hide[cand_rank][:, None] - amount.astype(jnp.float32) * pair_fwd_s
         hidden = (busy[cand_rank][:, None] + cost <= after) & (busy[cand_rank][None, :] + cost <= after.T)
         gain = jnp.where(fits & hidden & (amount > 0),
