@@ -145,11 +145,22 @@ def spill_per_expert(loads, placement, target, xp=jnp):
     return _scatter_set(loads.shape[0], placement.reshape(-1), spill.reshape(-1).astype(loads.dtype), xp)
 
 
+def num_copy_candidates(num_experts: int, num_ranks: int, guest_slots: int) -> int:
+    """How many experts a copy loop considers: min(E, R * K, R).
+
+    Spill is attributed to each overloaded rank's hottest experts first, so each rank's spill spans
+    few experts: the load families in benchmarks/ have at most 28 spilling experts on 32 ranks. With
+    more than R, the ones with the least spill keep it at home (a plan that is less balanced, never
+    a lost pair). Capping at R halves taot's per-step [C, R] work at K = 2 (about 800 -> 500 us on
+    this CPU) for the same plans on every benchmark family."""
+    return min(num_experts, num_ranks * guest_slots, num_ranks)
+
+
 def spill_candidates(spill, loads, num: int):
     """The `num` experts with the most spill, ties by load, then by lowest index.
 
-    A copy loop makes one copy per step into R * K slots, so it only ever copies experts among these
-    with num = min(E, R * K); its cost then does not grow with E. The hottest non-spilling experts
+    A copy loop copies experts among these only (num = num_copy_candidates(...)), so its cost does
+    not grow with E. The hottest non-spilling experts
     fill the list after the spilling ones, which is what the locality swaps look at. Two packed
     single-key sorts (jtopoep.ordering) instead of one sort with two keys and a payload."""
     bound = key_range(spill.shape[0])  # counts of pairs stay far below it (8M for E = 256)

@@ -4,7 +4,7 @@
    ranks (equal totals); cost M = topology.link_cost();
 2. log-domain Sinkhorn (fixed epsilon and iteration count) gives a rank-to-rank flow hint F[h, l];
 3. integer replica matching, one guest copy per step (at most R * K steps, ending when no move is
-   left), over the R * K experts with the most spill: for every (spilling expert e with home rank h,
+   left), over the min(E, R) experts with the most spill: for every (spilling expert e with home rank h,
    light rank l with a free slot not holding e) pair, the move is m = min(spill left of e, room left
    on l) and its score m * (1 + min(m, F left on (h, l)) / m + min(m, X left on (node of l, e)) / m
    + 1e-3 / (1 + M[h, l])), X being e's pairs from each node that cross the scale-out link: large
@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from jtopoep.plan import Plan
 from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, copy_exposure, finish_plan,
                                      home_rank_of_experts, make_copy, node_link_class, spill_per_expert,
-                                     spill_candidates, start_copies, uncovered_node_pairs)
+                                     num_copy_candidates, spill_candidates, start_copies,
+                                     uncovered_node_pairs)
 from jtopoep.planners.sinkhorn import sinkhorn
 
 
@@ -63,9 +64,9 @@ class TaotPlanner(PlannerBase):
         loads = counts.sum(0)
         target = ceil_div(loads.sum(), num_ranks)
         spill0 = spill_per_expert(loads, placement, target)
-        # At most R * K copies are made, each for an expert with spill: the R * K experts with the
-        # most spill are the only candidates, which keeps the loop's cost independent of E.
-        num_cand = min(num_experts, num_ranks * slots)
+        # The experts with the most spill are the only candidates (num_copy_candidates), which
+        # keeps the loop's cost independent of E.
+        num_cand = num_copy_candidates(num_experts, num_ranks, slots)
         cand = spill_candidates(spill0, loads, num_cand)
         home = home_rank_of_experts(placement)[cand]  # [C]
         cost = jnp.asarray(self.topology.link_cost())

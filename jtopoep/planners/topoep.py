@@ -36,7 +36,8 @@ from jtopoep.costmodel import EXCHANGES_PER_LAYER
 from jtopoep.plan import Plan
 from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, copy_exposure, finish_plan,
                                      home_rank_of_experts, make_copy, node_link_class, spill_per_expert,
-                                     spill_candidates, start_copies, uncovered_node_pairs)
+                                     num_copy_candidates, spill_candidates, start_copies,
+                                     uncovered_node_pairs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,7 @@ class TopoEPPlanner(PlannerBase):
         link_s, pair_fwd_s, pair_s = self.transfer_costs()
         node_ids = jnp.arange(nodes, dtype=jnp.int32)
         spill0 = spill_per_expert(loads, placement, target)
-        num_cand = min(num_experts, num_ranks * slots)
+        num_cand = num_copy_candidates(num_experts, num_ranks, slots)
         cand = spill_candidates(spill0, loads, num_cand)  # [C] expert ids
         expert_ids = jnp.arange(num_cand, dtype=jnp.int32)
         cand_home = home_rank_of_experts(placement)[cand]  # [C]
