@@ -29,6 +29,7 @@ from jaxtyping import Array, Float, Int
 from jtopoep.plan import Plan, home_plan
 from jtopoep.planners.common import PlannerBase, home_rank_of_experts
 from jtopoep.planners.none import NonePlanner
+from jtopoep.ordering import inverse_permutation, stable_order
 from jtopoep.transport import exchange, exclusive_cumsum, regroup
 
 
@@ -52,7 +53,7 @@ def assign_slots(expert_ids: Int[Array, " A"], local_counts: Int[Array, " E"], p
     expert e, in order, fill the slots holding e in ascending (d, j) order."""
     num_pairs = expert_ids.shape[0]
     num_experts = local_counts.shape[0]
-    order = jnp.argsort(expert_ids, stable=True)
+    order = stable_order(expert_ids, num_experts)
     expert_start = exclusive_cumsum(local_counts)
     rank_in_sorted = jnp.arange(num_pairs, dtype=jnp.int32) - expert_start[expert_ids[order]]
     # position of each pair on the line of all this source's pairs, laid out expert by expert
@@ -61,7 +62,7 @@ def assign_slots(expert_ids: Int[Array, " A"], local_counts: Int[Array, " E"], p
     num_slots = slot_expert.shape[0]
     sent = jax.lax.dynamic_index_in_dim(plan.route, me, 0, keepdims=False).reshape(-1)  # [R*S]
     key = jnp.where(slot_expert >= 0, slot_expert, num_experts) * num_slots + jnp.arange(num_slots)
-    slot_order = jnp.argsort(key)
+    slot_order = stable_order(key, (num_experts + 1) * num_slots)
     slot_end = jnp.cumsum(sent[slot_order])
     dest_sorted = slot_order[jnp.searchsorted(slot_end, line_sorted, side="right")]
     return jnp.zeros(num_pairs, jnp.int32).at[order].set(dest_sorted.astype(jnp.int32), unique_indices=True)
@@ -85,7 +86,7 @@ def fetch_guest_weights(weights: ExpertWeights, plan: Plan, placement: Int[Array
     flat = [w.reshape(home, -1) for w in weights]
     rows = jnp.concatenate(flat, axis=1)  # [H, 3*D*F]
     mine = (src == me).reshape(-1)
-    send_order = jnp.argsort(~mine, stable=True)  # my (d, i) slots first, in (d, i) order
+    send_order = stable_order((~mine).astype(jnp.int32), 2)  # my (d, i) slots first, in (d, i) order
     which = home_slot[jnp.maximum(guests.reshape(-1), 0)][send_order]
     # A one-hot matmul rather than a gather: its transpose sums guest gradients into the home rows
     # with a dense dot, not a float scatter-add whose order could vary.
@@ -139,7 +140,7 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
 
     with jax.named_scope("permute"):
         dest = assign_slots(flat_ids, local_counts, plan, me)
-        send_order = jnp.argsort(dest, stable=True)
+        send_order = stable_order(dest, num_ranks * num_slots)
         tokens = x[send_order // top_k]
         sizes = plan.route.sum(2)  # [s, d]
 
@@ -163,6 +164,6 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
     with jax.named_scope("combine"):
         back = regroup(out, my_route.T)
         returned = exchange(back, sizes.T, out_rows=num_pairs, capacity=num_pairs, **move)
-        per_pair = returned[jnp.argsort(send_order)].reshape(num_tokens, top_k, -1)
+        per_pair = returned[inverse_permutation(send_order)].reshape(num_tokens, top_k, -1)
         y = jnp.einsum("tkd,tk->td", per_pair, gates.astype(per_pair.dtype))
     return y, DispatchStats(counts, plan)

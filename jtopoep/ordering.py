@@ -35,3 +35,9 @@ def descending_key(values, num_keys: int, xp=jnp):
 def key_range(n: int) -> int:
     """The most distinct keys stable_order packs for rows of n without falling back."""
     return _INT32_LIMIT // n
+
+
+def inverse_permutation(order):
+    """inverse[order[i]] = i: a scatter of n values, where argsort(order) would sort them."""
+    n = order.shape[0]
+    return jnp.zeros(n, jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
