@@ -14,7 +14,7 @@
    for their link class, or expose more weight-transfer time than the GEMM time they save (the same
    common.TransferClock rule as topoep), are never matched;
 4. home slots keep what their copies do not take; token routing is the locality-tiered routing
-   shared with topoep (planners.common.route_to_copies).
+   shared with topoep (planners.common.plan_from_quotas).
 
 Spill and room are integers against T* = ceil(sum L / R), so balance reaches the same bound as topoep;
 only the float hint and score differ, computed in the same order on every device.

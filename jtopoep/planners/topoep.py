@@ -5,17 +5,18 @@
 3. one copy per step, for the expert with the most spill left (at most R * K steps, ending early
    once no spill is left):
    inter-node choice: for each node, its best free rank (most room below T*, a free guest slot, not
-   holding the expert) could absorb min(spill, room) pairs; the node that saves the most inter-node
-   bytes (its own pairs of the expert that stop crossing the scale-out link, minus the weights and
-   gradients that must cross it) wins, and among nodes within 10% of that saving the one that absorbs
-   the most, so each copy fills a rank or ends the spill (few slots, balance at the bound);
+   holding the expert) could absorb min(spill, room) pairs; among the nodes that absorb at least
+   half of what the best one can (a sliver of a copy spends a slot and a transfer), the node that
+   saves the most inter-node bytes (its own pairs of the expert that stop crossing the scale-out
+   link, minus the weights and gradients that must cross it) wins, and among nodes within 10% of
+   that saving the one that absorbs the most, so each copy fills a rank or ends the spill;
    intra-node refinement: within that node, the least-loaded free rank (most room);
    a copy must save more GEMM time on the hot rank than the weight-transfer time it exposes under the
    cost model (common.TransferClock: transfers hide behind home-slot GEMMs until those run out) and
    pass the min-gain test for its link class, else the expert's remaining spill stays home;
 4. load-neutral locality swaps fill free slots where they save inter-node bytes (common.locality_swaps);
 5. each home slot keeps what its copies do not take; sources feed copies on their own rank, then
-   their own node, then anywhere (common.route_to_copies).
+   their own node, then anywhere (common.plan_from_quotas).
 
 Every quantity is an integer except the bytes-saved score, a float32 computed identically everywhere;
 ties go to the lowest index, so every device computes the same plan bit for bit.
@@ -85,11 +86,14 @@ class TopoEPPlanner(PlannerBase):
             moved = absorb.astype(jnp.float32)
             usable = absorb > 0
             saved = (jnp.minimum(moved, crossing[:, e]) * pair_bytes - jnp.where(remote[:, e], copy_bytes, 0.0))
+            # Only nodes that absorb at least half what the best one can compete on bytes: the home
+            # rank ships every copy of e, and a sliver of a copy spends a slot and a transfer on it.
+            big = usable & (2 * absorb >= absorb.max())
+            key = jnp.where(big, saved, -jnp.inf)
+            best = key.max()
             # Nodes within 10% of the best saving count as equally good for traffic; among them the
             # one that absorbs the most, so that each copy fills a rank (few slots, good balance).
-            key = jnp.where(usable, saved, -jnp.inf)
-            best = key.max()
-            near = usable & (key >= best - 0.1 * jnp.abs(best))
+            near = big & (key >= best - 0.1 * jnp.abs(best))
             node = jnp.argmax(jnp.where(near, absorb, never))
             ok = usable.any()
             d = dest[node]
