@@ -105,10 +105,9 @@ def home_rank_of_experts(placement, xp=jnp):
     return _scatter_set(num_ranks * home, placement.reshape(-1), ranks, xp)
 
 
-def holds_home(placement, num_experts: int, xp=jnp):
-    """[R, E] True where the rank is the expert's home."""
-    num_ranks = placement.shape[0]
-    return home_rank_of_experts(placement, xp)[None, :] == xp.arange(num_ranks, dtype=xp.int32)[:, None]
+def holds_home(home_rank, num_ranks: int, xp=jnp):
+    """[R, n] True where the rank is the home of each of n experts, given their home ranks [n]."""
+    return home_rank[None, :] == xp.arange(num_ranks, dtype=xp.int32)[:, None]
 
 
 def _scatter_set(size: int, index, values, xp):
@@ -254,42 +253,44 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     home_slot = _scatter_set(num_experts, slot_expert[:, :home].reshape(-1), slot_of[:, :home].reshape(-1), xp)
     guest = slot_expert[:, home:].reshape(-1)  # [R*K]
     num_guests = guest.shape[0]
-    later = xp.arange(num_guests)[:, None] > xp.arange(num_guests)[None, :]
-    first = (guest >= 0) & ~((guest[:, None] == guest[None, :]) & later).any(1)  # first guest of its expert
+    same = (guest[:, None] == guest[None, :]) & (guest >= 0)[:, None]
+    # Experts with guests get compact ids: the index of their first guest slot. The transport works on
+    # [R, R * K] arrays of those, not [R, E].
+    compact_of_guest = xp.argmax(same, axis=1).astype(xp.int32)
+    first = (guest >= 0) & (compact_of_guest == xp.arange(num_guests))
     listed = xp.concatenate([slot_of[:, home:].reshape(-1), xp.where(first, home_slot[xp.maximum(guest, 0)], -1)])
     m = listed.shape[0]
     ids = xp.arange(m, dtype=xp.int32)
-    expert = xp.where(listed >= 0, flat_expert[xp.maximum(listed, 0)], -1)
-    valid = expert >= 0
-    safe = xp.maximum(expert, 0)
+    valid = xp.concatenate([guest >= 0, first])
+    safe = xp.concatenate([compact_of_guest, xp.arange(num_guests, dtype=xp.int32)])  # compact id per entry
     capacity = xp.where(valid, quota.reshape(-1)[xp.maximum(listed, 0)], 0).astype(xp.int32)  # [m]
     rank = xp.maximum(listed, 0) // num_slots
     node = rank // gpus_per_node
     num_nodes = num_ranks // gpus_per_node
     # Copies of one expert in rank order (a rank holds at most one copy of an expert); unused entries
     # last, each its own segment.
-    by_expert = xp.where(valid, safe * num_ranks + rank, num_experts * num_ranks + ids)
-    order = stable_order(by_expert, num_experts * num_ranks + m, xp)
-    segment = xp.where(valid, safe, num_experts + ids)[order]
+    by_expert = xp.where(valid, safe * num_ranks + rank, num_guests * num_ranks + ids)
+    order = stable_order(by_expert, num_guests * num_ranks + m, xp)
+    segment = xp.where(valid, safe, num_guests + ids)[order]
 
     def copy_prefix(cap, seg):  # [m] end of each copy's interval among its expert's copies (in seg)
         return _unsort(_segment_prefix(cap[order], seg, xp), order, xp)
 
     sources = xp.arange(num_ranks)
     flow = xp.zeros((num_ranks, m), xp.int32)  # [source, listed slot]
-    supply = counts
+    supply = xp.where((guest >= 0)[None, :], counts[:, xp.maximum(guest, 0)], 0)  # [R, R*K] by compact id
     if tiered:
-        local = xp.where(valid, xp.minimum(counts[rank, safe], capacity), 0)
-        supply = supply - scatter_add((num_ranks, num_experts), (rank, safe), local, xp)
+        local = xp.where(valid, xp.minimum(supply[rank, safe], capacity), 0)
+        supply = supply - scatter_add((num_ranks, num_guests), (rank, safe), local, xp)
         capacity = capacity - local
         flow = flow + xp.where(sources[:, None] == rank[None, :], local[None, :], 0)
         # Within the node: the node's sources and copies, prefix sums restarting at each node.
         src = node[:, None] * gpus_per_node + xp.arange(gpus_per_node)[None, :]  # [m, G]
         node_supply = supply[src, safe[:, None]]
         s_hi = prefix_sum(node_supply, 1, xp)
-        c_hi = copy_prefix(capacity, xp.where(valid, safe * num_nodes + node, num_experts * num_nodes + ids)[order])
+        c_hi = copy_prefix(capacity, xp.where(valid, safe * num_nodes + node, num_guests * num_nodes + ids)[order])
         in_node = _overlap(s_hi, node_supply, c_hi[:, None], capacity[:, None], xp)  # [m, G]
-        supply = supply - scatter_add((num_ranks, num_experts), (src, xp.broadcast_to(safe[:, None], src.shape)),
+        supply = supply - scatter_add((num_ranks, num_guests), (src, xp.broadcast_to(safe[:, None], src.shape)),
                                       in_node, xp)
         capacity = capacity - in_node.sum(1)
         same_node = (sources // gpus_per_node)[:, None] == node[None, :]
@@ -324,8 +325,7 @@ def uncovered_node_pairs(counts, loads, spill, cand, cand_home, gpus_per_node: i
     remote nodes all of them (they cross the scale-out link to the home), on the home node those
     beyond what the home slot keeps after spilling. A copy placed on node n and fed by n's own pairs
     (locality-tiered routing) turns up to this many pairs into intra-node traffic."""
-    num_ranks, num_experts = counts.shape
-    node_pairs = counts.reshape(-1, gpus_per_node, num_experts).sum(1)[:, cand].astype(jnp.float32)
+    node_pairs = counts[:, cand].reshape(-1, gpus_per_node, cand.shape[0]).sum(1).astype(jnp.float32)
     remote = jnp.arange(node_pairs.shape[0])[:, None] != (cand_home // gpus_per_node)[None, :]
     kept = (loads[cand] - spill[cand]).astype(jnp.float32)
     return jnp.where(remote, node_pairs, jnp.maximum(node_pairs - kept[None, :], 0.0))
@@ -405,7 +405,7 @@ def start_copies(counts, placement, cand, spill, target, slots: int, pair_fwd_s:
     rank_loads = counts.sum(0)[placement].sum(1)
     state = CopyState(
         jnp.int32(0), spill[cand], jnp.maximum(target - rank_loads, 0), jnp.zeros(num_ranks, jnp.int32),
-        holds_home(placement, num_experts)[:, cand], jnp.full((num_ranks, slots), -1, jnp.int32),
+        holds_home(home_rank_of_experts(placement)[cand], num_ranks), jnp.full((num_ranks, slots), -1, jnp.int32),
         jnp.zeros((num_ranks, slots), jnp.int32),
         TransferClock(jnp.zeros(num_ranks), jnp.zeros(num_ranks), rank_loads.astype(jnp.float32) * pair_fwd_s))
     return carry_like(state, counts)
@@ -463,14 +463,21 @@ def locality_swaps(counts, placement, guests, quotas, cand, topology: Topology, 
     loads = counts.sum(0)
     home_rank = home_rank_of_experts(placement)
     home_node = home_rank // gpus_per_node
-    node_pairs = counts.reshape(nodes, gpus_per_node, num_experts).sum(1)  # [N, E]
-    guest_node = jnp.broadcast_to((jnp.arange(num_ranks) // gpus_per_node)[:, None], guests.shape)
     occupied = guests >= 0
-    # With locality-tiered routing a copy on node n is fed by node n's own pairs first.
-    served = scatter_add((nodes, num_experts), (guest_node, jnp.maximum(guests, 0)), jnp.where(occupied, quotas, 0))
-    remote = jnp.arange(nodes)[:, None] != home_node[None, :]
-    crossing = jnp.where(remote, jnp.maximum(node_pairs - served, 0), 0)  # [N, E]
     taken = scatter_add((num_experts,), (jnp.maximum(guests, 0),), jnp.where(occupied, quotas, 0))
+    left = (loads - taken)[cand]
+    # Only the hottest can pay for two weight transfers (each swap moves at most what is left of
+    # both experts): the swap search runs on the SWAP_CANDIDATES with the most pairs left.
+    hot = stable_order(descending_key(left, key_range(cand.shape[0])), key_range(cand.shape[0]))
+    hot = hot[:min(cand.shape[0], SWAP_CANDIDATES)]
+    cand, left = cand[hot], left[hot]
+    num_cand = cand.shape[0]
+    node_pairs = counts[:, cand].reshape(nodes, gpus_per_node, num_cand).sum(1)  # [N, C]
+    # With locality-tiered routing a copy on node n is fed by node n's own pairs first.
+    served = (jnp.where(guests[:, :, None] == cand[None, None, :], quotas[:, :, None], 0).sum(1)
+              .reshape(nodes, gpus_per_node, num_cand).sum(1))  # [N, C]
+    remote = jnp.arange(nodes)[:, None] != home_node[cand][None, :]
+    crossing = jnp.where(remote, jnp.maximum(node_pairs - served, 0), 0)  # [N, C]
     # Weight-transfer seconds each rank already sends (as a home) and receives (as a guest host), and
     # the home-slot forward GEMM seconds that can hide them.
     ranks = jnp.broadcast_to(jnp.arange(num_ranks)[:, None], guests.shape)
@@ -487,16 +494,9 @@ def locality_swaps(counts, placement, guests, quotas, cand, topology: Topology, 
         received = received + mine.sum(1).astype(jnp.float32) * seconds
     busy = jnp.maximum(sent, received)
     hide = (loads - taken)[placement].sum(1).astype(jnp.float32) * pair_fwd_s
-    left = (loads - taken)[cand]
-    # Only the hottest can pay for two weight transfers (each swap moves at most what is left of
-    # both experts): the swap search runs on the SWAP_CANDIDATES with the most pairs left.
-    hot = stable_order(descending_key(left, key_range(cand.shape[0])), key_range(cand.shape[0]))
-    hot = hot[:min(cand.shape[0], SWAP_CANDIDATES)]
-    cand, left = cand[hot], left[hot]
-    num_cand = cand.shape[0]
     cand_rank = home_rank[cand]  # [C]
     cand_node = home_node[cand]
-    holds = holds_home(placement, num_experts)[:, cand] | (guests[:, :, None] == cand[None, None, :]).any(1)  # [R, C]
+    holds = holds_home(cand_rank, num_ranks) | (guests[:, :, None] == cand[None, None, :]).any(1)  # [R, C]
     rank_ids = jnp.arange(num_ranks, dtype=jnp.int32)
     slot_ids = jnp.arange(slots, dtype=jnp.int32)
     # Invariant over the loop: what shipping one expert between the two homes costs, and which
@@ -504,7 +504,7 @@ def locality_swaps(counts, placement, guests, quotas, cand, topology: Topology, 
     cost = link_s[cand_rank[:, None], cand_rank[None, :]]
     apart = cand_node[:, None] != cand_node[None, :]
     state = (jnp.int32(0), guests, quotas, occupied.sum(1).astype(jnp.int32), holds,
-             crossing[:, cand], left, busy, hide)
+             crossing, left, busy, hide)
     state = carry_like(state, counts)
 
     def step(state):

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtopoep.plan import Plan
-from jtopoep.planners.common import PlannerBase, carry_like, even_quotas, holds_home, one_hot, plan_from_quotas
+from jtopoep.planners.common import (PlannerBase, carry_like, even_quotas, holds_home, home_rank_of_experts, one_hot,
+                                     plan_from_quotas)
 
 
 def eplb_slots(counts, placement, guest_slots: int, min_pairs: float, xp):
@@ -31,7 +32,7 @@ def eplb_slots(counts, placement, guest_slots: int, min_pairs: float, xp):
     loads = counts.sum(0).astype(xp.int32)
     guests = xp.full((num_ranks, guest_slots), -1, xp.int32)
     state = (guests, xp.ones(num_experts, xp.int32), xp.zeros(num_ranks, xp.int32),
-             holds_home(placement, num_experts, xp))
+             holds_home(home_rank_of_experts(placement, xp), num_ranks, xp))
     slot_ids = xp.arange(guest_slots, dtype=xp.int32)
     rank_ids = xp.arange(num_ranks, dtype=xp.int32)
 
