@@ -4,15 +4,16 @@
    ranks (equal totals); cost M = topology.link_cost();
 2. log-domain Sinkhorn (fixed epsilon and iteration count) gives a rank-to-rank flow hint F[h, l];
 3. integer replica matching, one guest copy per step (at most R * K steps, ending when no move is
-   left), over the min(E, R) experts with the most spill: for every (spilling expert e with home rank h,
-   light rank l with a free slot not holding e) pair, the move is m = min(spill left of e, room left
-   on l) and its score m * (1 + min(m, F left on (h, l)) / m + min(m, X left on (node of l, e)) / m
-   + 1e-3 / (1 + M[h, l])), X being e's pairs from each node that cross the scale-out link: large
-   moves first (each fills a rank or ends a spill, so few slots reach the balance bound), raised for
-   the share the transport plan supports and for the share l's node feeds itself (pairs that stop
-   crossing), the cheaper link on ties; the best move is made and charged against F[h, l] and X. Copies that fail the min-gain test
-   for their link class, or expose more weight-transfer time than the GEMM time they save (the same
-   common.TransferClock rule as topoep), are never matched;
+   left), over the min(E, R) experts with the most spill: for every (spilling expert e with home
+   rank h, light rank l with a free slot not holding e) pair, the move is m = min(spill left of e,
+   room left on l) and its score m * (1 + 1e-3 / (1 + M[h, l])) + min(m, F left on (h, l))
+   + min(m, X left on (node of l, e)), X being e's pairs from each node that no copy there takes
+   yet (common.uncovered_node_pairs): large moves first (each fills a rank or ends a spill, so few
+   slots reach the balance bound), raised for the pairs the transport plan supports and for the
+   pairs l's node feeds itself (they stop crossing), the cheaper link on ties; the best move is made
+   and charged against F[h, l] and X. Copies that fail the min-gain test for their link class, or
+   expose more weight-transfer time than the GEMM time they save (the same common.TransferClock
+   rule as topoep), are never matched;
 4. home slots keep what their copies do not take; token routing is the locality-tiered routing
    shared with topoep (planners.common.plan_from_quotas).
 
@@ -80,7 +81,12 @@ class TaotPlanner(PlannerBase):
         rank_node = rank_ids // gpus
         crossing0 = uncovered_node_pairs(counts, loads, spill0, cand, home, gpus)  # [N, C]
 
+        bonus = 1.0 + link_bonus  # [C, R]
+        cand_ids = jnp.arange(num_cand)
+
         def step(carry):
+            # hint and crossing are carried per (candidate, rank): hint[h, l] of the candidate's home
+            # h, and the crossing pairs of the candidate from the rank's node, so no step gathers.
             state, hint, crossing = carry
             amount = jnp.minimum(state.spill[:, None], state.room[None, :])  # [C, R]
             moved = amount.astype(jnp.float32)
@@ -90,25 +96,23 @@ class TaotPlanner(PlannerBase):
                         & (moved >= threshold) & (moved * pair_s >= exposure))
             # The pairs moved, doubled for the share of them the transport plan routes from h to l:
             # slots go to large moves (each one fills a rank's room or ends an expert's spill), and
-            # among similar moves to the destinations Sinkhorn found cheap.
-            supported = jnp.minimum(moved, jnp.maximum(hint[home], 0.0)) / jnp.maximum(moved, 1.0)
-            # ... and for the share the destination's node feeds itself (pairs that stop crossing).
-            local = jnp.minimum(moved, crossing[rank_node].T) / jnp.maximum(moved, 1.0)  # [C, R]
-            score = moved * (1.0 + supported + local + link_bonus)
+            # among similar moves to the destinations Sinkhorn found cheap; raised again for the
+            # share the destination's node feeds itself (pairs that stop crossing).
+            score = moved * bonus + jnp.minimum(moved, jnp.maximum(hint, 0.0)) + jnp.minimum(moved, crossing)
             flat = jnp.argmax(jnp.where(feasible, score, -1.0).reshape(-1))
             e, d = flat // num_ranks, flat % num_ranks
             ok = feasible[e, d]
             state = make_copy(state, e, d, amount[e, d], ok, cand, home[e], link[e, d], pair_fwd_s)
             state = state._replace(step=jnp.where(ok, state.step + 1, num_ranks * slots))
             charged = jnp.where(ok, moved[e, d], 0.0)
-            hint = hint - jnp.where((rank_ids[:, None] == home[e]) & (rank_ids[None, :] == d), charged, 0.0)
-            served = (jnp.arange(crossing.shape[0])[:, None] == rank_node[d]) & (jnp.arange(num_cand) == e)[None, :]
+            hint = hint - jnp.where((home[:, None] == home[e]) & (rank_ids[None, :] == d), charged, 0.0)
+            served = (cand_ids[:, None] == e) & (rank_node[None, :] == rank_node[d])
             crossing = jnp.maximum(crossing - jnp.where(served, charged, 0.0), 0.0)
             return state, hint, crossing
 
         state = start_copies(counts, placement, cand, spill0, target, slots, pair_fwd_s)
         # One copy per step, until no feasible move is left (a test every device evaluates alike).
-        hint = self.flow_hint(counts, placement).plan
+        hint = self.flow_hint(counts, placement).plan[home]  # [C, R]
         state, _, _ = jax.lax.while_loop(lambda c: c[0].step < num_ranks * slots, step,
-                                         (state, carry_like(hint, counts), carry_like(crossing0, counts)))
+                                         (state, carry_like(hint, counts), carry_like(crossing0[rank_node].T, counts)))
         return finish_plan(self, counts, placement, state, cand)
