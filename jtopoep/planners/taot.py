@@ -92,8 +92,9 @@ class TaotPlanner(PlannerBase):
             moved = amount.astype(jnp.float32)
             # A copy must save more GEMM time on the hot rank than the transfer time it exposes.
             exposure = copy_exposure(state.clock, home[:, None], rank_ids[None, :], link, moved * pair_fwd_s)
-            feasible = ((amount > 0) & (state.used < slots)[None, :] & ~state.holds.T
-                        & (moved >= threshold) & (moved * pair_s >= exposure))
+            feasible = (amount > 0) & (state.used < slots)[None, :] & ~state.holds.T & (moved * pair_s >= exposure)
+            if thr_inter or thr_intra:
+                feasible &= moved >= threshold
             # The pairs moved, doubled for the share of them the transport plan routes from h to l:
             # slots go to large moves (each one fills a rank's room or ends an expert's spill), and
             # among similar moves to the destinations Sinkhorn found cheap; raised again for the

@@ -77,9 +77,9 @@ class TopoEPPlanner(PlannerBase):
             # more GEMM time on the hot rank than the transfer time it exposes (and passes min-gain).
             take = jnp.minimum(need, state.room).astype(jnp.float32)  # [R]
             exposure = copy_exposure(state.clock, home, rank_ids, link_s[home], take * pair_fwd_s)
-            qualifies = ((state.used < slots) & ~state.holds[:, e] & (state.room > 0)
-                         & (take >= jnp.where(rank_remote[home], thr_inter, thr_intra))
-                         & (take * pair_s >= exposure))
+            qualifies = (state.used < slots) & ~state.holds[:, e] & (state.room > 0) & (take * pair_s >= exposure)
+            if thr_inter or thr_intra:
+                qualifies &= take >= jnp.where(rank_remote[home], thr_inter, thr_intra)
             room_free = jnp.where(qualifies, state.room, never).reshape(nodes, gpus)
             absorb = jnp.minimum(need, room_free.max(1))  # [N]
             dest = node_ids * gpus + jnp.argmax(room_free, axis=1)  # [N] each node's best rank
