@@ -30,7 +30,8 @@ from jtopoep.config import CONFIG_DIR, ModelConfig, section_from_dict
 from jtopoep.costmodel import ExpertDims, ideal_layer_time, layer_time
 from jtopoep.plan import home_plan
 from jtopoep.planners import get_planner
-from jtopoep.planners.common import even_quotas, plan_from_quotas
+from jtopoep.planners.common import even_quotas
+from jtopoep.planners.routing import plan_from_quotas
 from jtopoep.planners.eplb import eplb_slots
 from jtopoep.topology import Topology
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jtopoep.plan import check_plan
-from jtopoep.planners.common import plan_from_quotas, spill_per_expert
+from jtopoep.planners.common import spill_per_expert
+from jtopoep.planners.routing import plan_from_quotas
 
 RANKS, EXPERTS, GUESTS, GPUS = 8, 16, 2, 4  # two nodes of four ranks
 

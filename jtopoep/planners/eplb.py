@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtopoep.plan import Plan
-from jtopoep.planners.common import (PlannerBase, carry_like, even_quotas, holds_home, home_rank_of_experts, one_hot,
-                                     plan_from_quotas)
+from jtopoep.planners.common import PlannerBase, carry_like, even_quotas, holds_home, home_rank_of_experts
+from jtopoep.planners.routing import plan_from_quotas
 
 
 def eplb_slots(counts, placement, guest_slots: int, min_pairs: float, xp):

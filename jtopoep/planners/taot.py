@@ -12,10 +12,10 @@
    slots reach the balance bound), raised for the pairs the transport plan supports and for the
    pairs l's node feeds itself (they stop crossing), the cheaper link on ties; the best move is made
    and charged against F[h, l] and X. Copies that fail the min-gain test for their link class, or
-   expose more weight-transfer time than the GEMM time they save (the same common.TransferClock
+   expose more weight-transfer time than the GEMM time they save (the same pricing.TransferClock
    rule as topoep), are never matched;
 4. home slots keep what their copies do not take; token routing is the locality-tiered routing
-   shared with topoep (planners.common.plan_from_quotas).
+   shared with topoep (planners.routing.plan_from_quotas).
 
 Spill and room are integers against T* = ceil(sum L / R), so balance reaches the same bound as topoep;
 only the float hint and score differ, computed in the same order on every device.
@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 
 from jtopoep.plan import Plan
-from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, copy_exposure, finish_plan,
-                                     home_rank_of_experts, make_copy, node_link_class, spill_per_expert,
-                                     num_copy_candidates, spill_candidates, start_copies,
-                                     uncovered_node_pairs)
+from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, home_rank_of_experts, num_copy_candidates,
+                                     spill_candidates, spill_per_expert, uncovered_node_pairs)
+from jtopoep.planners.copies import finish_plan, make_copy, start_copies
+from jtopoep.planners.pricing import copy_exposure, node_link_class
 from jtopoep.planners.sinkhorn import sinkhorn
 
 

@@ -12,11 +12,11 @@
    that saving the one that absorbs the most, so each copy fills a rank or ends the spill;
    intra-node refinement: within that node, the least-loaded free rank (most room);
    a copy must save more GEMM time on the hot rank than the weight-transfer time it exposes under the
-   cost model (common.TransferClock: transfers hide behind home-slot GEMMs until those run out) and
+   cost model (pricing.TransferClock: transfers hide behind home-slot GEMMs until those run out) and
    pass the min-gain test for its link class, else the expert's remaining spill stays home;
-4. load-neutral locality swaps fill free slots where they save inter-node bytes (common.locality_swaps);
+4. load-neutral locality swaps fill free slots where they save inter-node bytes (swaps.locality_swaps);
 5. each home slot keeps what its copies do not take; sources feed copies on their own rank, then
-   their own node, then anywhere (common.plan_from_quotas).
+   their own node, then anywhere (routing.plan_from_quotas).
 
 Every quantity is an integer except the bytes-saved score, a float32 computed identically everywhere;
 ties go to the lowest index, so every device computes the same plan bit for bit.
@@ -35,10 +35,10 @@ import jax.numpy as jnp
 
 from jtopoep.costmodel import EXCHANGES_PER_LAYER
 from jtopoep.plan import Plan
-from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, copy_exposure, finish_plan,
-                                     home_rank_of_experts, make_copy, node_link_class, spill_per_expert,
-                                     num_copy_candidates, spill_candidates, start_copies,
-                                     uncovered_node_pairs)
+from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, home_rank_of_experts, num_copy_candidates,
+                                     spill_candidates, spill_per_expert, uncovered_node_pairs)
+from jtopoep.planners.copies import finish_plan, make_copy, start_copies
+from jtopoep.planners.pricing import copy_exposure, node_link_class
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,122 @@
+"""Locality-tiered token routing: which source sends how many pairs of each expert to each copy."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jtopoep.ordering import stable_order
+from jtopoep.plan import Plan
+from jtopoep.planners.common import prefix_sum, scatter_add, scatter_set
+
+
+def _overlap(s_hi, supply, c_hi, capacity, xp):
+    """Length of the overlap of the intervals [s_hi - supply, s_hi) and [c_hi - capacity, c_hi)."""
+    return xp.maximum(xp.minimum(s_hi, c_hi) - xp.maximum(s_hi - supply, c_hi - capacity), 0)
+
+
+def _segment_prefix(values, segment, xp):
+    """Inclusive prefix sums of `values` that restart wherever `segment` changes (both in sorted order)."""
+    total = prefix_sum(values, 0, xp)
+    index = xp.arange(values.shape[0])
+    starts = xp.concatenate([xp.ones(1, bool), segment[1:] != segment[:-1]])
+    marked = xp.where(starts, index, 0)
+    first = np.maximum.accumulate(marked) if xp is np else jax.lax.cummax(marked)
+    return total - (total - values)[first]
+
+
+def _unsort(sorted_values, order, xp):
+    """The values in their original order, given them sorted by `order` (a permutation)."""
+    if xp is np:
+        out = np.empty_like(sorted_values)
+        out[order] = sorted_values
+        return out
+    return jnp.zeros_like(sorted_values).at[order].set(sorted_values)
+
+
+def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: bool, xp=jnp) -> Plan:
+    """The plan for given slot contents and per-slot quotas: every slot takes exactly its quota.
+
+    Greedy transport by interval overlap, per expert: lay its sources (rank order) and its copies
+    (rank order) end to end on one line each, by prefix sums, and send along the overlap of their
+    intervals. With tiered=True a source first fills the copy on its own rank, then copies on its
+    own node (prefix sums that restart at each node), then anywhere, each tier on what the previous
+    left; tiered=False is the topology-oblivious split.
+
+    Only experts with guest copies need this; every other expert sends all its pairs to its home
+    slot. The transport runs on the m = 2 * R * K slots that can hold such copies (the guest slots,
+    and the home slot of each guest's expert, listed once), laid out per source and slot, [R, m]:
+    its cost grows with the guest slots, not with E or with the square of the ranks. Requires
+    sum of quotas per expert == its load: every pair lands and nothing is invented."""
+    num_ranks, num_experts = counts.shape
+    num_slots = slot_expert.shape[1]
+    home = num_experts // num_ranks
+    guest_slots = num_slots - home
+    n = num_ranks * num_slots
+    counts = counts.astype(xp.int32)
+    flat_expert = slot_expert.reshape(-1)
+    # Every pair of an expert without guests goes to its home slot.
+    base = xp.where((flat_expert >= 0)[None, :], counts[:, xp.maximum(flat_expert, 0)], 0)  # [R(s), n]
+    if guest_slots == 0:
+        return Plan(slot_expert.astype(xp.int32), base.reshape(num_ranks, num_ranks, num_slots))
+    slot_of = (xp.arange(num_ranks)[:, None] * num_slots + xp.arange(num_slots)[None, :]).astype(xp.int32)
+    home_slot = scatter_set(num_experts, slot_expert[:, :home].reshape(-1), slot_of[:, :home].reshape(-1), xp)
+    guest = slot_expert[:, home:].reshape(-1)  # [R*K]
+    num_guests = guest.shape[0]
+    same = (guest[:, None] == guest[None, :]) & (guest >= 0)[:, None]
+    # Experts with guests get compact ids: the index of their first guest slot. The transport works on
+    # [R, R * K] arrays of those, not [R, E].
+    compact_of_guest = xp.argmax(same, axis=1).astype(xp.int32)
+    first = (guest >= 0) & (compact_of_guest == xp.arange(num_guests))
+    listed = xp.concatenate([slot_of[:, home:].reshape(-1), xp.where(first, home_slot[xp.maximum(guest, 0)], -1)])
+    m = listed.shape[0]
+    ids = xp.arange(m, dtype=xp.int32)
+    valid = xp.concatenate([guest >= 0, first])
+    safe = xp.concatenate([compact_of_guest, xp.arange(num_guests, dtype=xp.int32)])  # compact id per entry
+    capacity = xp.where(valid, quota.reshape(-1)[xp.maximum(listed, 0)], 0).astype(xp.int32)  # [m]
+    rank = xp.maximum(listed, 0) // num_slots
+    node = rank // gpus_per_node
+    num_nodes = num_ranks // gpus_per_node
+    # Copies of one expert in rank order (a rank holds at most one copy of an expert); unused entries
+    # last, each its own segment.
+    by_expert = xp.where(valid, safe * num_ranks + rank, num_guests * num_ranks + ids)
+    order = stable_order(by_expert, num_guests * num_ranks + m, xp)
+    segment = xp.where(valid, safe, num_guests + ids)[order]
+
+    def copy_prefix(cap, seg):  # [m] end of each copy's interval among its expert's copies (in seg)
+        return _unsort(_segment_prefix(cap[order], seg, xp), order, xp)
+
+    sources = xp.arange(num_ranks)
+    flow = xp.zeros((num_ranks, m), xp.int32)  # [source, listed slot]
+    supply = xp.where((guest >= 0)[None, :], counts[:, xp.maximum(guest, 0)], 0)  # [R, R*K] by compact id
+    if tiered:
+        local = xp.where(valid, xp.minimum(supply[rank, safe], capacity), 0)
+        supply = supply - scatter_add((num_ranks, num_guests), (rank, safe), local, xp)
+        capacity = capacity - local
+        flow = flow + xp.where(sources[:, None] == rank[None, :], local[None, :], 0)
+        # Within the node: the node's sources and copies, prefix sums restarting at each node.
+        src = node[:, None] * gpus_per_node + xp.arange(gpus_per_node)[None, :]  # [m, G]
+        node_supply = supply[src, safe[:, None]]
+        s_hi = prefix_sum(node_supply, 1, xp)
+        c_hi = copy_prefix(capacity, xp.where(valid, safe * num_nodes + node, num_guests * num_nodes + ids)[order])
+        in_node = _overlap(s_hi, node_supply, c_hi[:, None], capacity[:, None], xp)  # [m, G]
+        supply = supply - scatter_add((num_ranks, num_guests), (src, xp.broadcast_to(safe[:, None], src.shape)),
+                                      in_node, xp)
+        capacity = capacity - in_node.sum(1)
+        same_node = (sources // gpus_per_node)[:, None] == node[None, :]
+        flow = flow + xp.where(same_node, in_node.T[sources % gpus_per_node], 0)
+    supply = supply[:, safe]  # [R, m]
+    anywhere = _overlap(prefix_sum(supply, 0, xp), supply, copy_prefix(capacity, segment)[None, :],
+                        capacity[None, :], xp)
+    flow = xp.where(valid[None, :], flow + anywhere, 0)
+    # Written into the listed slots' columns by a scatter, which makes XLA compute `flow` once; as a
+    # gather it fused the whole transport into every element of the route (3x slower on CPU). Each
+    # slot is listed at most once; unused entries point past the end, each somewhere else, and drop.
+    column = xp.where(listed >= 0, listed, n + ids)
+    if xp is np:
+        route = base.copy()
+        route[:, listed[listed >= 0]] = flow[:, listed >= 0]
+    else:
+        route = base.at[:, column].set(flow, mode="drop", unique_indices=True)
+    return Plan(slot_expert.astype(xp.int32), route.reshape(num_ranks, num_ranks, num_slots).astype(xp.int32))
