@@ -131,7 +131,7 @@ class MoEConfig:
     min_gain: float = 0.0
     price_transfers: bool = True  # refuse copies exposing more transfer time than GEMM time they save
     sinkhorn_epsilon: float = 1.0  # taot only: entropic regularisation, in link-cost units
-    sinkhorn_iters: int = 20  # taot only: fixed Sinkhorn iteration count
+    sinkhorn_iters: int = 10  # taot only: fixed Sinkhorn iteration count
     score_fn: str = "softmax"  # router scores: softmax or sigmoid
     normalize_topk: bool = True  # renormalise the k selected weights to sum to 1
     aux_loss_coef: float = 0.01  # Switch-style load-balancing loss

@@ -38,11 +38,11 @@ from jtopoep.planners.sinkhorn import sinkhorn
 
 @dataclasses.dataclass(frozen=True)
 class TaotPlanner(PlannerBase):
-    # Defaults from the planner benchmark's sweep (benchmarks/results/planners.md): epsilon 1.0
-    # converges to a marginal error of 3e-7 in 20 iterations and gave the best balance; 0.05 had not
-    # converged after 50 (error 0.09), for no better plans.
+    # Defaults from the planner benchmark's sweep (benchmarks/results/planners.md): epsilon 1.0 gave
+    # the best balance and reaches a marginal error of 2e-5 in 10 iterations (3e-7 in 20, with the same
+    # plans on 280 benchmark loads, for about 35 us more); 0.05 had not converged after 50 (error 0.09).
     epsilon: float = 1.0  # Sinkhorn regularisation in link-cost units (1 = one NVLink byte)
-    iterations: int = 20  # Sinkhorn iterations (static)
+    iterations: int = 10  # Sinkhorn iterations (static)
 
     def __post_init__(self):
         super().__post_init__()
