@@ -49,22 +49,13 @@ def time_call(fn, arg, repeats: int) -> float:
 
 
 def latency(topology, counts, min_gain: float, repeats: int) -> dict:
-    """Median seconds per call of every planner, the host eplb planner with its device copies
-    included. The planners take turns, one call each per round, so that a slow spell of the machine
-    falls on all of them alike and their ratios hold within the run."""
+    out = {}
     device_counts = jax.device_put(jnp.asarray(counts))
-    calls = {name: jax.jit(make(name, topology, counts.shape[1], 2, min_gain)) for name in PLANNERS}
+    for name in PLANNERS:
+        out[name] = time_call(jax.jit(make(name, topology, counts.shape[1], 2, min_gain)), device_counts, repeats)
     host = make("eplb", topology, counts.shape[1], 2, min_gain)
-    calls["eplb_host"] = lambda c: eplb_host(host, c)
-    times = {name: [] for name in calls}
-    for fn in calls.values():
-        jax.block_until_ready(fn(device_counts))
-    for _ in range(repeats):
-        for name, fn in calls.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(device_counts))
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    out["eplb_host"] = time_call(lambda c: eplb_host(host, c), device_counts, max(repeats // 10, 5))
+    return out
 
 
 def evaluate(topology, families: dict, num_experts: int, guest_slots: int, min_gain: float,
