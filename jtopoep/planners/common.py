@@ -157,9 +157,9 @@ def spill_candidates(spill, loads, num: int):
     """The `num` experts with the most spill, ties by load, then by lowest index.
 
     A copy loop copies experts among these only (num = num_copy_candidates(...)), so its cost does
-    not grow with E. The hottest non-spilling experts
-    fill the list after the spilling ones, which is what the locality swaps look at. Two packed
-    single-key sorts (jtopoep.ordering) instead of one sort with two keys and a payload."""
+    not grow with E. The hottest non-spilling experts fill the list after the spilling ones, which is
+    what the locality swaps look at. Two packed single-key sorts (jtopoep.ordering) instead of one
+    sort with two keys and a payload."""
     bound = key_range(spill.shape[0])  # counts of pairs stay far below it (8M for E = 256)
     by_load = stable_order(descending_key(loads, bound), bound)
     # A stable sort by spill of the experts in load order keeps load order among equal spills.

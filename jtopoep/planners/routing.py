@@ -26,15 +26,6 @@ def _segment_prefix(values, segment, xp):
     return total - (total - values)[first]
 
 
-def _unsort(sorted_values, order, xp):
-    """The values in their original order, given them sorted by `order` (a permutation)."""
-    if xp is np:
-        out = np.empty_like(sorted_values)
-        out[order] = sorted_values
-        return out
-    return jnp.zeros_like(sorted_values).at[order].set(sorted_values)
-
-
 def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: bool, xp=jnp) -> Plan:
     """The plan for given slot contents and per-slot quotas: every slot takes exactly its quota.
 
@@ -85,7 +76,7 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     segment = xp.where(valid, safe, num_guests + ids)[order]
 
     def copy_prefix(cap, seg):  # [m] end of each copy's interval among its expert's copies (in seg)
-        return _unsort(_segment_prefix(cap[order], seg, xp), order, xp)
+        return scatter_set(m, order, _segment_prefix(cap[order], seg, xp), xp)  # back out of sorted order
 
     sources = xp.arange(num_ranks)
     flow = xp.zeros((num_ranks, m), xp.int32)  # [source, listed slot]
@@ -113,10 +104,10 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     # Written into the listed slots' columns by a scatter, which makes XLA compute `flow` once; as a
     # gather it fused the whole transport into every element of the route (3x slower on CPU). Each
     # slot is listed at most once; unused entries point past the end, each somewhere else, and drop.
-    column = xp.where(listed >= 0, listed, n + ids)
     if xp is np:
         route = base.copy()
         route[:, listed[listed >= 0]] = flow[:, listed >= 0]
     else:
+        column = jnp.where(listed >= 0, listed, n + ids)
         route = base.at[:, column].set(flow, mode="drop", unique_indices=True)
     return Plan(slot_expert.astype(xp.int32), route.reshape(num_ranks, num_ranks, num_slots).astype(xp.int32))

@@ -45,13 +45,14 @@ def locality_swaps(counts, placement, guests, quotas, cand, topology: Topology, 
     left = (loads - taken)[cand]
     # Only the hottest can pay for two weight transfers (each swap moves at most what is left of
     # both experts): the swap search runs on the SWAP_CANDIDATES with the most pairs left.
-    hot = stable_order(descending_key(left, key_range(cand.shape[0])), key_range(cand.shape[0]))
-    hot = hot[:min(cand.shape[0], SWAP_CANDIDATES)]
+    bound = key_range(cand.shape[0])
+    hot = stable_order(descending_key(left, bound), bound)[:min(cand.shape[0], SWAP_CANDIDATES)]
     cand, left = cand[hot], left[hot]
     num_cand = cand.shape[0]
     node_pairs = counts[:, cand].reshape(nodes, gpus_per_node, num_cand).sum(1)  # [N, C]
     # With locality-tiered routing a copy on node n is fed by node n's own pairs first.
-    served = (jnp.where(guests[:, :, None] == cand[None, None, :], quotas[:, :, None], 0).sum(1)
+    is_cand = guests[:, :, None] == cand[None, None, :]  # [R, K, C] guest slot holds the candidate
+    served = (jnp.where(is_cand, quotas[:, :, None], 0).sum(1)
               .reshape(nodes, gpus_per_node, num_cand).sum(1))  # [N, C]
     remote = jnp.arange(nodes)[:, None] != home_node[cand][None, :]
     crossing = jnp.where(remote, jnp.maximum(node_pairs - served, 0), 0)  # [N, C]
@@ -73,7 +74,7 @@ def locality_swaps(counts, placement, guests, quotas, cand, topology: Topology, 
     hide = (loads - taken)[placement].sum(1).astype(jnp.float32) * pair_fwd_s
     cand_rank = home_rank[cand]  # [C]
     cand_node = home_node[cand]
-    holds = holds_home(cand_rank, num_ranks) | (guests[:, :, None] == cand[None, None, :]).any(1)  # [R, C]
+    holds = holds_home(cand_rank, num_ranks) | is_cand.any(1)  # [R, C]
     rank_ids = jnp.arange(num_ranks, dtype=jnp.int32)
     slot_ids = jnp.arange(slots, dtype=jnp.int32)
     # Invariant over the loop: what shipping one expert between the two homes costs, and which
