@@ -132,6 +132,8 @@ class MoEConfig:
     price_transfers: bool = True  # refuse copies exposing more transfer time than GEMM time they save
     sinkhorn_epsilon: float = 1.0  # taot only: entropic regularisation, in link-cost units
     sinkhorn_iters: int = 10  # taot only: fixed Sinkhorn iteration count
+    taot_locality_weight: float = 2.0  # taot only: score weight of pairs a copy keeps off the slow link
+    taot_weight_cost: float = 0.2  # taot only: score weight of a copy's weight bytes times link cost
     score_fn: str = "softmax"  # router scores: softmax or sigmoid
     normalize_topk: bool = True  # renormalise the k selected weights to sum to 1
     aux_loss_coef: float = 0.01  # Switch-style load-balancing loss
@@ -144,7 +146,7 @@ class MoEConfig:
         _choice("moe", self, "transport", TRANSPORTS)
         _choice("moe", self, "score_fn", SCORE_FNS)
         _non_negative("moe", self, "guest_slots", "min_gain", "aux_loss_coef", "z_loss_coef",
-                      "bias_update_rate")
+                      "bias_update_rate", "taot_locality_weight", "taot_weight_cost")
         _positive("moe", self, "sinkhorn_epsilon", "sinkhorn_iters")
         _require(not (self.planner == "none" and self.guest_slots), "moe.guest_slots", self.guest_slots,
                  "0 when moe.planner = 'none' (it never fills guest slots)")

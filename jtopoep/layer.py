@@ -35,7 +35,8 @@ class RouterBias(nnx.Variable):
 def make_planner(moe: MoEConfig, topology: Topology, num_experts: int, dims: ExpertDims):
     knobs = dict(min_gain=moe.min_gain, dims=dims, price_transfers=moe.price_transfers)
     if moe.planner == "taot":
-        knobs.update(epsilon=moe.sinkhorn_epsilon, iterations=moe.sinkhorn_iters)
+        knobs.update(epsilon=moe.sinkhorn_epsilon, iterations=moe.sinkhorn_iters,
+                     locality_weight=moe.taot_locality_weight, weight_cost=moe.taot_weight_cost)
     return get_planner(moe.planner, topology=topology, num_experts=num_experts, guest_slots=moe.guest_slots,
                        **knobs)
 

@@ -68,6 +68,9 @@ def test_planners_are_hashable_and_static():
         get_planner("eplb", topology=TOPO, num_experts=12, guest_slots=1)
     with pytest.raises(ValueError, match="needs dims"):
         get_planner("topoep", topology=TOPO, num_experts=16, guest_slots=1, min_gain=1.0)
+    for knob in ("locality_weight", "weight_cost"):
+        with pytest.raises(ValueError, match=f"{knob} = -1.0 must be >= 0"):
+            get_planner("taot", topology=TOPO, num_experts=16, guest_slots=1, **{knob: -1.0})
 
 
 def test_wrong_counts_shape():
