@@ -29,7 +29,7 @@ from jaxtyping import Array, Float, Int
 from jtopoep.plan import Plan, home_plan
 from jtopoep.planners.common import PlannerBase, home_rank_of_experts
 from jtopoep.planners.none import NonePlanner
-from jtopoep.ordering import inverse_permutation, stable_order
+from jtopoep.ordering import first_argmax, inverse_permutation, stable_order
 from jtopoep.transport import exchange, exclusive_cumsum, regroup
 
 
@@ -79,7 +79,7 @@ def fetch_guest_weights(weights: ExpertWeights, plan: Plan, placement: Int[Array
     guests = plan.slot_expert[:, home:]  # [R, K]
     num_guests = guests.shape[1]
     home_rank = home_rank_of_experts(placement)
-    home_slot = jnp.argmax(placement[home_rank] == jnp.arange(placement.size)[:, None], axis=1)  # [E]
+    home_slot = first_argmax(placement[home_rank] == jnp.arange(placement.size)[:, None], axis=1)  # [E]
     occupied = guests >= 0
     src = jnp.where(occupied, home_rank[jnp.maximum(guests, 0)], -1)  # [R, K] home rank per guest slot
     sizes = (src[None, :, :] == jnp.arange(num_ranks)[:, None, None]).sum(2).astype(jnp.int32)  # [h, d]

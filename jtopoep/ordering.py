@@ -1,4 +1,5 @@
-"""Stable sort orders through one single-operand sort.
+"""Deterministic orders that XLA:CPU computes cheaply: stable sorts through one single-operand sort,
+and first-index argmax / argmin through two plain reductions.
 
 XLA:CPU sorts a lone int32 array far faster than it sorts keys with a payload: `jnp.argsort` carries
 an index through a generic comparator, about 35 us for 256 keys and 5.5 ms for 32768 on this
@@ -41,3 +42,29 @@ def inverse_permutation(order):
     """inverse[order[i]] = i: a scatter of n values, where argsort(order) would sort them."""
     n = order.shape[0]
     return jnp.zeros(n, jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
+
+
+def first_argmax(x, axis=None, xp=jnp):
+    """The index of the first maximum along `axis` (flattened when None): jnp.argmax for inputs
+    without NaN. XLA:CPU lowers argmax to a reduction carrying (value, index) pairs that it does not
+    vectorise; the maximum, then the least index holding it, are two plain reductions, about 2.5x
+    faster on a [32, 32] array inside a loop here, and give the same index."""
+    if xp is np:
+        return np.argmax(x, axis=axis)
+    return _first_index_of(x, x.max(axis=axis, keepdims=True), axis)
+
+
+def first_argmin(x, axis=None, xp=jnp):
+    """The index of the first minimum along `axis` (flattened when None): jnp.argmin without NaN."""
+    if xp is np:
+        return np.argmin(x, axis=axis)
+    return _first_index_of(x, x.min(axis=axis, keepdims=True), axis)
+
+
+def _first_index_of(x, value, axis):
+    if axis is None:
+        x, value, axis = x.reshape(-1), value.reshape(-1), 0
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    index = jnp.arange(n, dtype=jnp.int32).reshape((n,) + (1,) * (x.ndim - 1 - axis))
+    return jnp.where(x == value, index, n).min(axis=axis)

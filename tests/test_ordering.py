@@ -1,8 +1,9 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from jtopoep.ordering import descending_key, inverse_permutation, key_range, stable_order
+from jtopoep.ordering import descending_key, first_argmax, first_argmin, inverse_permutation, key_range, stable_order
 
 
 def test_stable_order_is_a_stable_argsort():
@@ -29,3 +30,15 @@ def test_descending_key_orders_largest_first_and_saturates():
 def test_inverse_permutation():
     order = jnp.asarray(np.random.default_rng(1).permutation(50))
     np.testing.assert_array_equal(np.asarray(inverse_permutation(order))[np.asarray(order)], np.arange(50))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float32, np.bool_])
+def test_first_argmax_and_argmin_match_numpy_with_ties(dtype):
+    rng = np.random.default_rng(2)
+    for shape in ((1,), (9,), (4, 6), (3, 5, 2)):
+        x = rng.integers(0, 3, shape).astype(dtype)  # few values: many ties, first index wins
+        for axis in (None, *range(len(shape)), -1):
+            np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x), axis)), np.argmax(x, axis=axis))
+            np.testing.assert_array_equal(np.asarray(first_argmin(jnp.asarray(x), axis)), np.argmin(x, axis=axis))
+    masked = jnp.full((4, 4), -jnp.inf)  # nothing feasible: index 0, as argmax gives
+    assert int(first_argmax(masked)) == 0 and int(first_argmax(masked.at[2, 3].set(-5.0))) == 11

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jtopoep.ordering import first_argmax, first_argmin
 from jtopoep.plan import Plan
 from jtopoep.planners.common import PlannerBase, carry_like, even_quotas, holds_home, home_rank_of_experts
 from jtopoep.planners.routing import plan_from_quotas
@@ -42,12 +43,12 @@ def eplb_slots(counts, placement, guest_slots: int, min_pairs: float, xp):
         per_copy = loads.astype(xp.float32) / copies.astype(xp.float32)
         next_share = loads.astype(xp.float32) / (copies + 1).astype(xp.float32)
         wanted = free.any(0) & (next_share >= xp.float32(min_pairs)) & (loads > copies)
-        e = xp.argmax(xp.where(wanted, per_copy, xp.float32(-1)))
+        e = first_argmax(xp.where(wanted, per_copy, xp.float32(-1)), xp=xp)
         slots = xp.concatenate([placement, guests], axis=1)
         share = loads // copies
         estimate = xp.where(slots >= 0, share[xp.maximum(slots, 0)], 0).sum(1)
         limit = xp.iinfo(xp.int32).max
-        d = xp.argmin(xp.where(free[:, e], estimate, limit))
+        d = first_argmin(xp.where(free[:, e], estimate, limit), xp=xp)
         ok = wanted[e] & free[d, e]
         put = ok & (rank_ids[:, None] == d) & (slot_ids[None, :] == used[d])
         guests = xp.where(put, e, guests)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jtopoep.ordering import stable_order
+from jtopoep.ordering import first_argmax, stable_order
 from jtopoep.plan import Plan
 from jtopoep.planners.common import prefix_sum, scatter_add, scatter_set
 
@@ -58,7 +58,7 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     same = (guest[:, None] == guest[None, :]) & (guest >= 0)[:, None]
     # Experts with guests get compact ids: the index of their first guest slot. The transport works on
     # [R, R * K] arrays of those, not [R, E].
-    compact_of_guest = xp.argmax(same, axis=1).astype(xp.int32)
+    compact_of_guest = first_argmax(same, axis=1, xp=xp).astype(xp.int32)
     first = (guest >= 0) & (compact_of_guest == xp.arange(num_guests))
     listed = xp.concatenate([slot_of[:, home:].reshape(-1), xp.where(first, home_slot[xp.maximum(guest, 0)], -1)])
     m = listed.shape[0]

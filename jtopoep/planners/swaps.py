@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jtopoep.costmodel import EXCHANGES_PER_LAYER, ExpertDims
-from jtopoep.ordering import descending_key, key_range, stable_order
+from jtopoep.ordering import descending_key, first_argmax, key_range, stable_order
 from jtopoep.planners.common import carry_like, holds_home, home_rank_of_experts, scatter_add
 from jtopoep.planners.pricing import node_link_class, transfer_costs
 from jtopoep.topology import Topology
@@ -96,7 +96,7 @@ def locality_swaps(counts, placement, guests, quotas, cand, topology: Topology, 
         hidden = (busy[cand_rank][:, None] + cost <= after) & (busy[cand_rank][None, :] + cost <= after.T)
         gain = jnp.where(fits & hidden & (amount > 0),
                          2.0 * amount.astype(jnp.float32) * pair_bytes - 2.0 * copy_bytes, -jnp.inf)
-        flat = jnp.argmax(gain.reshape(-1))
+        flat = first_argmax(gain)
         e1, e2 = flat // num_cand, flat % num_cand
         ok = gain.reshape(-1)[flat] > 0
         a = jnp.where(ok, amount[e1, e2], 0)

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jtopoep.costmodel import EXCHANGES_PER_LAYER
+from jtopoep.ordering import first_argmax
 from jtopoep.plan import Plan
 from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, home_rank_of_experts, num_copy_candidates,
                                      spill_candidates, spill_per_expert, uncovered_node_pairs)
@@ -126,7 +127,7 @@ class TaotPlanner(PlannerBase):
             # A move must be worth more than shipping its copy costs; scores only fall as the loop
             # runs, so once no move is worth it the loop ends.
             feasible &= score > 0
-            flat = jnp.argmax(jnp.where(feasible, score, -jnp.inf).reshape(-1))
+            flat = first_argmax(jnp.where(feasible, score, -jnp.inf))
             e, d = flat // num_ranks, flat % num_ranks
             ok = feasible[e, d]
             state = make_copy(state, e, d, amount[e, d], ok, cand, home[e], link[e, d], pair_fwd_s)

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jtopoep.costmodel import EXCHANGES_PER_LAYER
+from jtopoep.ordering import first_argmax
 from jtopoep.plan import Plan
 from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, home_rank_of_experts, num_copy_candidates,
                                      spill_candidates, spill_per_expert, uncovered_node_pairs)
@@ -70,7 +71,7 @@ class TopoEPPlanner(PlannerBase):
 
         def step(carry):
             state, crossing = carry
-            e = jnp.argmax(state.spill)
+            e = first_argmax(state.spill)
             need = state.spill[e]
             home = cand_home[e]
             # A rank qualifies if it has a free slot and room, does not hold e yet, and the copy saves
@@ -82,7 +83,7 @@ class TopoEPPlanner(PlannerBase):
                 qualifies &= take >= jnp.where(rank_remote[home], thr_inter, thr_intra)
             room_free = jnp.where(qualifies, state.room, never).reshape(nodes, gpus)
             absorb = jnp.minimum(need, room_free.max(1))  # [N]
-            dest = node_ids * gpus + jnp.argmax(room_free, axis=1)  # [N] each node's best rank
+            dest = node_ids * gpus + first_argmax(room_free, axis=1)  # [N] each node's best rank
             moved = absorb.astype(jnp.float32)
             usable = absorb > 0
             saved = (jnp.minimum(moved, crossing[:, e]) * pair_bytes - jnp.where(remote[:, e], copy_bytes, 0.0))
@@ -94,7 +95,7 @@ class TopoEPPlanner(PlannerBase):
             # Nodes within 10% of the best saving count as equally good for traffic; among them the
             # one that absorbs the most, so that each copy fills a rank (few slots, good balance).
             near = big & (key >= best - 0.1 * jnp.abs(best))
-            node = jnp.argmax(jnp.where(near, absorb, never))
+            node = first_argmax(jnp.where(near, absorb, never))
             ok = usable.any()
             d = dest[node]
             state = make_copy(state, e, d, absorb[node], ok, cand, home, link_s[home, d], pair_fwd_s)
