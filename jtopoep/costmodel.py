@@ -23,7 +23,7 @@ import dataclasses
 
 import numpy as np
 
-from jtopoep.plan import Plan
+from jtopoep.plan import Plan, home_rank_of_experts
 from jtopoep.topology import Topology
 
 EXCHANGES_PER_LAYER = 4  # dispatch + combine, forward + backward
@@ -74,8 +74,7 @@ def link_class(topology: Topology) -> np.ndarray:
 
 def home_rank_of_slots(plan: Plan, placement: np.ndarray) -> np.ndarray:
     """[R, S] home rank of the expert in each slot (-1 for empty slots)."""
-    num_ranks = placement.shape[0]
-    home_of_expert = np.repeat(np.arange(num_ranks), placement.shape[1])[np.argsort(placement.ravel())]
+    home_of_expert = home_rank_of_experts(np.asarray(placement), np)
     slot_expert = np.asarray(plan.slot_expert)
     return np.where(slot_expert >= 0, home_of_expert[np.maximum(slot_expert, 0)], -1)
 

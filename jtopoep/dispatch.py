@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jtopoep.plan import Plan, home_plan
-from jtopoep.planners.common import PlannerBase, home_rank_of_experts
+from jtopoep.plan import Plan, home_plan, home_rank_of_experts
+from jtopoep.planners.common import PlannerBase
 from jtopoep.planners.none import NonePlanner
 from jtopoep.ordering import first_argmax, inverse_permutation, stable_order
 from jtopoep.transport import exchange, exclusive_cumsum, regroup

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 from jaxtyping import Array, Int
 
 
@@ -35,6 +36,18 @@ def contiguous_placement(num_ranks: int, num_experts: int) -> Int[Array, "R H"]:
     if num_experts % num_ranks:
         raise ValueError(f"num_experts = {num_experts} must be a multiple of num_ranks = {num_ranks}")
     return jnp.arange(num_experts, dtype=jnp.int32).reshape(num_ranks, num_experts // num_ranks)
+
+
+def home_rank_of_experts(placement: Int[ArrayLike, "R H"], xp=jnp) -> Int[ArrayLike, " E"]:
+    """[E] home rank of each expert under the placement (a permutation of the experts): a scatter,
+    as jnp or numpy arrays (xp)."""
+    num_ranks, home = placement.shape
+    ranks = xp.repeat(xp.arange(num_ranks, dtype=xp.int32), home)
+    if xp is np:
+        out = np.zeros(num_ranks * home, np.int32)
+        out[np.asarray(placement).reshape(-1)] = ranks
+        return out
+    return jnp.zeros(num_ranks * home, jnp.int32).at[placement.reshape(-1)].set(ranks, unique_indices=True)
 
 
 def home_plan(counts: Int[Array, "R E"], placement: Int[Array, "R H"], guest_slots: int) -> Plan:

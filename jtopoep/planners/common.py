@@ -96,13 +96,6 @@ def carry_like(state, ref):
     return jax.tree.map(lambda x: x | (zero != 0) if x.dtype == bool else x + zero.astype(x.dtype), state)
 
 
-def home_rank_of_experts(placement, xp=jnp):
-    """[E] home rank of each expert under the placement (a permutation of the experts)."""
-    num_ranks, home = placement.shape
-    ranks = xp.repeat(xp.arange(num_ranks, dtype=xp.int32), home)
-    return scatter_set(num_ranks * home, placement.reshape(-1), ranks, xp)
-
-
 def holds_home(home_rank, num_ranks: int, xp=jnp):
     """[R, n] True where the rank is the home of each of n experts, given their home ranks [n]."""
     return home_rank[None, :] == xp.arange(num_ranks, dtype=xp.int32)[:, None]

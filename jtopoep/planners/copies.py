@@ -6,8 +6,8 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from jtopoep.plan import Plan
-from jtopoep.planners.common import PlannerBase, carry_like, guest_quotas_to_slots, holds_home, home_rank_of_experts
+from jtopoep.plan import Plan, home_rank_of_experts
+from jtopoep.planners.common import PlannerBase, carry_like, guest_quotas_to_slots, holds_home
 from jtopoep.planners.pricing import TransferClock, clock_after_copy
 from jtopoep.planners.routing import plan_from_quotas
 from jtopoep.planners.swaps import locality_swaps

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtopoep.ordering import first_argmax, first_argmin
-from jtopoep.plan import Plan
-from jtopoep.planners.common import PlannerBase, carry_like, even_quotas, holds_home, home_rank_of_experts
+from jtopoep.plan import Plan, home_rank_of_experts
+from jtopoep.planners.common import PlannerBase, carry_like, even_quotas, holds_home
 from jtopoep.planners.routing import plan_from_quotas
 
 

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 
 from jtopoep.costmodel import EXCHANGES_PER_LAYER, ExpertDims
 from jtopoep.ordering import descending_key, first_argmax, key_range, stable_order
-from jtopoep.planners.common import carry_like, holds_home, home_rank_of_experts, scatter_add
+from jtopoep.plan import home_rank_of_experts
+from jtopoep.planners.common import carry_like, holds_home, scatter_add
 from jtopoep.planners.pricing import node_link_class, transfer_costs
 from jtopoep.topology import Topology
 

@@ -35,9 +35,9 @@ import jax.numpy as jnp
 
 from jtopoep.costmodel import EXCHANGES_PER_LAYER
 from jtopoep.ordering import first_argmax
-from jtopoep.plan import Plan
-from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, home_rank_of_experts, num_copy_candidates,
-                                     spill_candidates, spill_per_expert, uncovered_node_pairs)
+from jtopoep.plan import Plan, home_rank_of_experts
+from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, num_copy_candidates, spill_candidates,
+                                     spill_per_expert, uncovered_node_pairs)
 from jtopoep.planners.copies import finish_plan, make_copy, start_copies
 from jtopoep.planners.pricing import copy_exposure, node_link_class
 
