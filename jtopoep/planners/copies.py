@@ -14,42 +14,66 @@ from jtopoep.planners.swaps import locality_swaps
 
 
 class CopyState(NamedTuple):
-    """The state of a copy-placement loop over C candidate experts (one copy per step)."""
+    """The state of a copy-placement loop over C candidate experts (one copy per step).
+
+    Per-rank integers live in one [R, 2 + 2K] array (room, slots used, K guest ids, K quotas) and the
+    transfer clock in one [3, R] array: each step then updates them with one kernel each, where
+    separate arrays cost a kernel apiece (XLA:CPU runs a loop body kernel by kernel)."""
     step: jnp.ndarray  # i32 scalar; set to the loop bound to stop early
     spill: jnp.ndarray  # [C] pairs each candidate still has to shed
-    room: jnp.ndarray  # [R] pairs each rank can still take below the target
-    used: jnp.ndarray  # [R] guest slots filled
+    ranks: jnp.ndarray  # [R, 2 + 2K]: room, used, guests (expert id, -1 empty), quotas
     holds: jnp.ndarray  # [R, C] rank holds the candidate (home or guest)
-    guests: jnp.ndarray  # [R, K] expert id of each guest slot, -1 empty
-    quotas: jnp.ndarray  # [R, K] pairs each guest slot takes
     clock: TransferClock
+
+    @property
+    def room(self):  # [R] pairs each rank can still take below the target
+        return self.ranks[:, 0]
+
+    @property
+    def used(self):  # [R] guest slots filled
+        return self.ranks[:, 1]
+
+    @property
+    def guests(self):  # [R, K] expert id of each guest slot, -1 empty
+        return self.ranks[:, 2:2 + self.slots]
+
+    @property
+    def quotas(self):  # [R, K] pairs each guest slot takes
+        return self.ranks[:, 2 + self.slots:]
+
+    @property
+    def slots(self) -> int:
+        return (self.ranks.shape[1] - 2) // 2
 
 
 def start_copies(counts, placement, cand, spill, target, slots: int, pair_fwd_s: float) -> CopyState:
     num_ranks, num_experts = counts.shape
     rank_loads = counts.sum(0)[placement].sum(1)
-    state = CopyState(
-        jnp.int32(0), spill[cand], jnp.maximum(target - rank_loads, 0), jnp.zeros(num_ranks, jnp.int32),
-        holds_home(home_rank_of_experts(placement)[cand], num_ranks), jnp.full((num_ranks, slots), -1, jnp.int32),
-        jnp.zeros((num_ranks, slots), jnp.int32),
-        TransferClock(jnp.zeros(num_ranks), jnp.zeros(num_ranks), rank_loads.astype(jnp.float32) * pair_fwd_s))
+    ranks = jnp.concatenate([jnp.maximum(target - rank_loads, 0)[:, None], jnp.zeros((num_ranks, 1), jnp.int32),
+                             jnp.full((num_ranks, slots), -1, jnp.int32), jnp.zeros((num_ranks, slots), jnp.int32)],
+                            axis=1).astype(jnp.int32)
+    state = CopyState(jnp.int32(0), spill[cand], ranks, holds_home(home_rank_of_experts(placement)[cand], num_ranks),
+                      TransferClock.start(rank_loads.astype(jnp.float32) * pair_fwd_s))
     return carry_like(state, counts)
 
 
 def make_copy(state: CopyState, e, d, amount, ok, cand, home, link, pair_fwd_s: float) -> CopyState:
     """Put a copy of candidate e on rank d taking `amount` pairs off its home rank, where ok."""
-    num_ranks, slots = state.guests.shape
+    num_ranks, slots = state.ranks.shape[0], state.slots
     amount = jnp.where(ok, amount, 0)
-    at_d = ok & (jnp.arange(num_ranks) == d)
-    put = at_d[:, None] & (jnp.arange(slots)[None, :] == state.used[d])
+    at_d = (ok & (jnp.arange(num_ranks) == d))[:, None]
+    column = jnp.arange(2 + 2 * slots)[None, :]
+    used = state.used[d]
+    # Room falls by the amount, one more slot is used, and the next free slot takes e and its quota.
+    ranks = jnp.where(at_d & (column == 2 + used), cand[e],
+                      jnp.where(at_d & (column == 2 + slots + used), amount,
+                                state.ranks - jnp.where(at_d & (column == 0), amount, 0)
+                                + jnp.where(at_d & (column == 1), 1, 0)))
     is_e = jnp.arange(state.spill.shape[0]) == e
     return state._replace(
         spill=state.spill - jnp.where(is_e, amount, 0),
-        room=state.room - jnp.where(at_d, amount, 0),
-        used=state.used + at_d.astype(jnp.int32),
-        holds=state.holds | (at_d[:, None] & is_e[None, :]),
-        guests=jnp.where(put, cand[e], state.guests),
-        quotas=jnp.where(put, amount, state.quotas),
+        ranks=ranks,
+        holds=state.holds | (at_d & is_e[None, :]),
         clock=clock_after_copy(state.clock, home, d, link, amount.astype(jnp.float32) * pair_fwd_s, ok))
 
 

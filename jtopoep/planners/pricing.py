@@ -25,10 +25,28 @@ class TransferClock(NamedTuple):
 
     The cost model's rule: weights a rank sends (as home) or receives (as host) are free while they
     fit behind its home-slot forward GEMMs, and gradients going back behind its backward (twice the
-    forward); only the rest is exposed. Planners use it to price a copy before making it."""
-    send: jnp.ndarray  # [R] seconds of weights sent
-    recv: jnp.ndarray  # [R] seconds of weights received
-    hide: jnp.ndarray  # [R] seconds of home-slot forward GEMM
+    forward); only the rest is exposed. Planners use it to price a copy before making it.
+
+    One [3, R] array (sent, received, hiding seconds) rather than three: a copy updates it with one
+    kernel and reads a rank's column with one gather, in loops that make one copy per step."""
+    seconds: jnp.ndarray  # [3, R] float32: weights sent, weights received, home-slot forward GEMM
+
+    @classmethod
+    def start(cls, hide):
+        """Nothing sent or received yet; `hide` [R] seconds of home-slot forward GEMM."""
+        return cls(jnp.stack([jnp.zeros_like(hide), jnp.zeros_like(hide), hide]))
+
+    @property
+    def send(self):
+        return self.seconds[0]
+
+    @property
+    def recv(self):
+        return self.seconds[1]
+
+    @property
+    def hide(self):
+        return self.seconds[2]
 
 
 def transfer_costs(topology: Topology, dims: ExpertDims | None):
@@ -55,17 +73,21 @@ def copy_exposure(clock: TransferClock, home, dest, link, moved_fwd_s):
     seconds) and its home slots lose moved_fwd_s of forward GEMM. The cost model charges the most
     exposed rank, forward and backward, so a transfer costs only what it adds to those maxima.
     Broadcasts over candidate arrays."""
-    fwd, bwd = _exposed(clock.send, clock.recv, clock.hide)
-    fwd_max, bwd_max = fwd.max(), bwd.max()
-    home_fwd, home_bwd = _exposed(clock.send[home] + link, clock.recv[home], clock.hide[home] - moved_fwd_s)
-    dest_fwd, dest_bwd = _exposed(clock.send[dest], clock.recv[dest] + link, clock.hide[dest])
+    fwd_max, bwd_max = jnp.stack(_exposed(clock.send, clock.recv, clock.hide)).max(1)
+    at_home, at_dest = clock.seconds[:, home], clock.seconds[:, dest]  # [3, ...] one gather each
+    home_fwd, home_bwd = _exposed(at_home[0] + link, at_home[1], at_home[2] - moved_fwd_s)
+    dest_fwd, dest_bwd = _exposed(at_dest[0], at_dest[1] + link, at_dest[2])
     return (jnp.maximum(jnp.maximum(home_fwd, dest_fwd) - fwd_max, 0.0)
             + jnp.maximum(jnp.maximum(home_bwd, dest_bwd) - bwd_max, 0.0))
 
 
 def clock_after_copy(clock: TransferClock, home, dest, link, moved_fwd_s, ok) -> TransferClock:
-    ranks = jnp.arange(clock.send.shape[0])
+    """The clock after `home` ships one expert to `dest` (link seconds), where ok; the home's slots
+    lose moved_fwd_s of forward GEMM."""
+    ranks = jnp.arange(clock.seconds.shape[1])[None, :]
+    row = jnp.arange(3)[:, None]
     at_home = ok & (ranks == home)
     at_dest = ok & (ranks == dest)
-    return TransferClock(clock.send + jnp.where(at_home, link, 0.0), clock.recv + jnp.where(at_dest, link, 0.0),
-                         clock.hide - jnp.where(at_home, moved_fwd_s, 0.0))
+    delta = (jnp.where((row == 0) & at_home, link, 0.0) + jnp.where((row == 1) & at_dest, link, 0.0)
+             - jnp.where((row == 2) & at_home, moved_fwd_s, 0.0))
+    return TransferClock(clock.seconds + delta)
