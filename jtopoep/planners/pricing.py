@@ -72,9 +72,10 @@ def copy_exposure(clock: TransferClock, home, dest, link, moved_fwd_s):
     """Extra layer seconds from the guest-weight term if `home` ships one expert to `dest` (link
     seconds) and its home slots lose moved_fwd_s of forward GEMM. The cost model charges the most
     exposed rank, forward and backward, so a transfer costs only what it adds to those maxima.
-    Broadcasts over candidate arrays."""
+    Broadcasts over candidate arrays; dest None prices a copy to every rank, [R]."""
     fwd_max, bwd_max = jnp.stack(_exposed(clock.send, clock.recv, clock.hide)).max(1)
-    at_home, at_dest = clock.seconds[:, home], clock.seconds[:, dest]  # [3, ...] one gather each
+    at_home = clock.seconds[:, home]  # [3, ...] one gather
+    at_dest = clock.seconds if dest is None else clock.seconds[:, dest]
     home_fwd, home_bwd = _exposed(at_home[0] + link, at_home[1], at_home[2] - moved_fwd_s)
     dest_fwd, dest_bwd = _exposed(at_dest[0], at_dest[1] + link, at_dest[2])
     return (jnp.maximum(jnp.maximum(home_fwd, dest_fwd) - fwd_max, 0.0)

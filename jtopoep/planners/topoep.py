@@ -66,7 +66,6 @@ class TopoEPPlanner(PlannerBase):
         remote = node_ids[:, None] != (cand_home // gpus)[None, :]  # [N, C]
         crossing0 = uncovered_node_pairs(counts, loads, spill0, cand, cand_home, gpus)  # [N, C]
         never = jnp.int32(-1)
-        rank_ids = jnp.arange(num_ranks)
         rank_remote = node_link_class(self.topology)  # [R, R] across nodes
 
         def step(carry):
@@ -77,7 +76,7 @@ class TopoEPPlanner(PlannerBase):
             # A rank qualifies if it has a free slot and room, does not hold e yet, and the copy saves
             # more GEMM time on the hot rank than the transfer time it exposes (and passes min-gain).
             take = jnp.minimum(need, state.room).astype(jnp.float32)  # [R]
-            exposure = copy_exposure(state.clock, home, rank_ids, link_s[home], take * pair_fwd_s)
+            exposure = copy_exposure(state.clock, home, None, link_s[home], take * pair_fwd_s)
             qualifies = (state.used < slots) & ~state.holds[:, e] & (state.room > 0) & (take * pair_s >= exposure)
             if thr_inter or thr_intra:
                 qualifies &= take >= jnp.where(rank_remote[home], thr_inter, thr_intra)
@@ -89,14 +88,15 @@ class TopoEPPlanner(PlannerBase):
             saved = (jnp.minimum(moved, crossing[:, e]) * pair_bytes - jnp.where(remote[:, e], copy_bytes, 0.0))
             # Only nodes that absorb at least half what the best one can compete on bytes: the home
             # rank ships every copy of e, and a sliver of a copy spends a slot and a transfer on it.
-            big = usable & (2 * absorb >= absorb.max())
+            most = absorb.max()
+            big = usable & (2 * absorb >= most)
             key = jnp.where(big, saved, -jnp.inf)
             best = key.max()
             # Nodes within 10% of the best saving count as equally good for traffic; among them the
             # one that absorbs the most, so that each copy fills a rank (few slots, good balance).
             near = big & (key >= best - 0.1 * jnp.abs(best))
             node = first_argmax(jnp.where(near, absorb, never))
-            ok = usable.any()
+            ok = most > 0
             d = dest[node]
             state = make_copy(state, e, d, absorb[node], ok, cand, home, link_s[home, d], pair_fwd_s)
             # A spilling expert that cannot be placed anywhere keeps its spill at home.
