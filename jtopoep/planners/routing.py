@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jtopoep.ordering import first_argmax, stable_order
+from jtopoep.ordering import first_argmax
 from jtopoep.plan import Plan
 from jtopoep.planners.common import prefix_sum, scatter_add, scatter_set
 
@@ -14,16 +14,6 @@ from jtopoep.planners.common import prefix_sum, scatter_add, scatter_set
 def _overlap(s_hi, supply, c_hi, capacity, xp):
     """Length of the overlap of the intervals [s_hi - supply, s_hi) and [c_hi - capacity, c_hi)."""
     return xp.maximum(xp.minimum(s_hi, c_hi) - xp.maximum(s_hi - supply, c_hi - capacity), 0)
-
-
-def _segment_prefix(values, segment, xp):
-    """Inclusive prefix sums of `values` that restart wherever `segment` changes (both in sorted order)."""
-    total = prefix_sum(values, 0, xp)
-    index = xp.arange(values.shape[0])
-    starts = xp.concatenate([xp.ones(1, bool), segment[1:] != segment[:-1]])
-    marked = xp.where(starts, index, 0)
-    first = np.maximum.accumulate(marked) if xp is np else jax.lax.cummax(marked)
-    return total - (total - values)[first]
 
 
 def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: bool, xp=jnp) -> Plan:
@@ -70,13 +60,14 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     node = rank // gpus_per_node
     num_nodes = num_ranks // gpus_per_node
     # Copies of one expert in rank order (a rank holds at most one copy of an expert); unused entries
-    # last, each its own segment.
+    # last, each its own segment. A copy's interval ends at the capacity of the copies in its
+    # segment up to and including it: a masked [m, m] sum, which XLA:CPU runs as one kernel where a
+    # sort by expert and a segmented prefix sum took some forty.
     by_expert = xp.where(valid, safe * num_ranks + rank, num_guests * num_ranks + ids)
-    order = stable_order(by_expert, num_guests * num_ranks + m, xp)
-    segment = xp.where(valid, safe, num_guests + ids)[order]
+    at_or_before = by_expert[None, :] <= by_expert[:, None]  # [i, j]: copy j comes no later than copy i
 
-    def copy_prefix(cap, seg):  # [m] end of each copy's interval among its expert's copies (in seg)
-        return scatter_set(m, order, _segment_prefix(cap[order], seg, xp), xp)  # back out of sorted order
+    def copy_prefix(cap, segment):  # [m] end of each copy's interval among the copies in its segment
+        return xp.where((segment[:, None] == segment[None, :]) & at_or_before, cap[None, :], 0).sum(1)
 
     sources = xp.arange(num_ranks)
     flow = xp.zeros((num_ranks, m), xp.int32)  # [source, listed slot]
@@ -90,7 +81,7 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
         src = node[:, None] * gpus_per_node + xp.arange(gpus_per_node)[None, :]  # [m, G]
         node_supply = supply[src, safe[:, None]]
         s_hi = prefix_sum(node_supply, 1, xp)
-        c_hi = copy_prefix(capacity, xp.where(valid, safe * num_nodes + node, num_guests * num_nodes + ids)[order])
+        c_hi = copy_prefix(capacity, xp.where(valid, safe * num_nodes + node, num_guests * num_nodes + ids))
         in_node = _overlap(s_hi, node_supply, c_hi[:, None], capacity[:, None], xp)  # [m, G]
         supply = supply - scatter_add((num_ranks, num_guests), (src, xp.broadcast_to(safe[:, None], src.shape)),
                                       in_node, xp)
@@ -98,8 +89,8 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
         same_node = (sources // gpus_per_node)[:, None] == node[None, :]
         flow = flow + xp.where(same_node, in_node.T[sources % gpus_per_node], 0)
     supply = supply[:, safe]  # [R, m]
-    anywhere = _overlap(prefix_sum(supply, 0, xp), supply, copy_prefix(capacity, segment)[None, :],
-                        capacity[None, :], xp)
+    c_hi = copy_prefix(capacity, xp.where(valid, safe, num_guests + ids))
+    anywhere = _overlap(prefix_sum(supply, 0, xp), supply, c_hi[None, :], capacity[None, :], xp)
     flow = xp.where(valid[None, :], flow + anywhere, 0)
     # Written into the listed slots' columns by a scatter, which makes XLA compute `flow` once; as a
     # gather it fused the whole transport into every element of the route (3x slower on CPU). Each
