@@ -113,7 +113,7 @@ class TaotPlanner(PlannerBase):
             amount = jnp.minimum(state.spill[:, None], state.room[None, :])  # [C, R]
             moved = amount.astype(jnp.float32)
             # A copy must save more GEMM time on the hot rank than the transfer time it exposes.
-            exposure = copy_exposure(state.clock, home[:, None], rank_ids[None, :], link, moved * pair_fwd_s)
+            exposure = copy_exposure(state.clock, home[:, None], None, link, moved * pair_fwd_s)
             feasible = (amount > 0) & (state.used < slots)[None, :] & ~state.holds.T & (moved * pair_s >= exposure)
             if thr_inter or thr_intra:
                 feasible &= moved >= threshold
