@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -14,6 +15,12 @@ from jtopoep.planners.common import prefix_sum, scatter_add, scatter_set
 def _overlap(s_hi, supply, c_hi, capacity, xp):
     """Length of the overlap of the intervals [s_hi - supply, s_hi) and [c_hi - capacity, c_hi)."""
     return xp.maximum(xp.minimum(s_hi, c_hi) - xp.maximum(s_hi - supply, c_hi - capacity), 0)
+
+
+def _nonnegative_div(a, b: int, xp):
+    """a // b for a >= 0: one truncating division. jnp's floor division adds sign fix-ups that
+    XLA then repeats in every element of the [m, m] and [R, m] kernels these indices feed."""
+    return a // b if xp is np else jax.lax.div(a, jnp.asarray(b, a.dtype))
 
 
 def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: bool, xp=jnp) -> Plan:
@@ -56,8 +63,8 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     valid = xp.concatenate([guest >= 0, first])
     safe = xp.concatenate([compact_of_guest, xp.arange(num_guests, dtype=xp.int32)])  # compact id per entry
     capacity = xp.where(valid, quota.reshape(-1)[xp.maximum(listed, 0)], 0).astype(xp.int32)  # [m]
-    rank = xp.maximum(listed, 0) // num_slots
-    node = rank // gpus_per_node
+    rank = _nonnegative_div(xp.maximum(listed, 0), num_slots, xp)
+    node = _nonnegative_div(rank, gpus_per_node, xp)
     num_nodes = num_ranks // gpus_per_node
     # Copies of one expert in rank order (a rank holds at most one copy of an expert); unused entries
     # last, each its own segment. A copy's interval ends at the capacity of the copies in its
