@@ -3,8 +3,8 @@
 For every load family (real traces and synthetic), E in {64, 256} and K in {1, 2}: imbalance (median
 and worst over micro-batches), gap to the lower bound, inter-node pairs and bytes, weighted
 communication cost relative to eplb, projected MoE-layer time from the cost model; and planning
-latency (median of many jitted calls, and the host eplb planner with its device copies, in the same
-run). Writes benchmarks/results/planners.json and planners.md.
+latency (jitted, and the host eplb planner with its device copies, timed in interleaved rounds of
+the same run). Writes benchmarks/results/planners.json and planners.md.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ PLANNERS = ("none", "eplb", "topoep", "taot")
 # DeepSeek-V2-Lite expert shapes (configs/models/deepseek-v2-lite.yaml), bf16.
 DIMS = ExpertDims(d_model=2048, expert_hidden=1408, bytes_per_element=2)
 TOKENS_PER_RANK = 4096
-LATENCY_RUNS = 5
 
 
 def make(name, topology, num_experts, guest_slots, min_gain, **extra):
@@ -49,14 +48,32 @@ def time_call(fn, arg, repeats: int) -> float:
     return statistics.median(times)
 
 
-def latency(topology, counts, min_gain: float, repeats: int) -> dict:
-    out = {}
+def latency(topology, counts, min_gain: float, rounds: int, batch: int = 25) -> dict:
+    """Seconds per call of every planner (jitted) and of eplb_host (with its device copies).
+
+    This machine's speed drifts by tens of percent from one second to the next. The planners take
+    turns: each round times a batch of back-to-back calls of each (a batch, so each call finds the
+    previous one's code and data warm), and a planner's figure is the median over rounds of its
+    batch means, so a slow spell falls on all of them alike. Each round's ratio of eplb_host to
+    topoep is paired within the round. Returns medians, minima and that ratio's median."""
     device_counts = jax.device_put(jnp.asarray(counts))
-    for name in PLANNERS:
-        out[name] = time_call(jax.jit(make(name, topology, counts.shape[1], 2, min_gain)), device_counts, repeats)
+    fns = {name: jax.jit(make(name, topology, counts.shape[1], 2, min_gain)) for name in PLANNERS}
     host = make("eplb", topology, counts.shape[1], 2, min_gain)
-    out["eplb_host"] = time_call(lambda c: eplb_host(host, c), device_counts, max(repeats // 10, 5))
-    return out
+    fns["eplb_host"] = lambda c: eplb_host(host, c)
+    sizes = {name: max(batch // 10, 2) if name == "eplb_host" else batch for name in fns}
+    for fn in fns.values():
+        jax.block_until_ready(fn(device_counts))
+    means = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(sizes[name]):
+                jax.block_until_ready(fn(device_counts))
+            means[name].append((time.perf_counter() - start) / sizes[name])
+    ratio = [h / t for h, t in zip(means["eplb_host"], means["topoep"])]
+    return {"median_s": {k: statistics.median(v) for k, v in means.items()},
+            "min_s": {k: min(v) for k, v in means.items()},
+            "eplb_host_over_topoep": statistics.median(ratio), "rounds": rounds, "batch": batch}
 
 
 def evaluate(topology, families: dict, num_experts: int, guest_slots: int, min_gain: float,
@@ -150,12 +167,13 @@ def sweeps(topology, families: dict, repeats: int) -> dict:
 
 def markdown(results: dict) -> str:
     lines = []
-    lat = results["latency_us"]
-    lines.append(f"Planning latency, R = 32, E = 256, K = 2, jitted, median over runs of the median call on "
-                 f"this machine ({results['device']}): " + ", ".join(f"{k} {v:.0f} us" for k, v in lat.items())
-                 + f"; eplb_host / topoep = {lat['eplb_host'] / lat['topoep']:.1f}x.")
-    for i, run in enumerate(results.get("latency_runs_us", [])):
-        lines.append(f"- run {i + 1}: " + ", ".join(f"{k} {v:.0f} us" for k, v in run.items()))
+    lat, method = results["latency_us"], results["latency_method"]
+    lines.append(f"Planning latency, R = 32, E = 256, K = 2, jitted, on this machine ({results['device']}): the "
+                 f"median over {method['rounds']} interleaved rounds of each planner's mean call in a batch of "
+                 f"{method['batch']} back-to-back calls (eplb_host: a tenth of that): "
+                 + ", ".join(f"{k} {v:.0f} us" for k, v in lat.items())
+                 + f"; eplb_host / topoep = {results['eplb_host_over_topoep']:.1f}x (median of the per-round ratios).")
+    lines.append("Fastest round: " + ", ".join(f"{k} {v:.0f} us" for k, v in results["latency_min_us"].items()) + ".")
     lines.append("")
     for setting, rows in results["settings"].items():
         lines.append(f"### {setting}")
@@ -216,14 +234,11 @@ def main(argv=None) -> dict:
     for num_experts in (256, 64):
         families = all_families(topology.num_ranks, num_experts, TOKENS_PER_RANK, args.quick)
         if num_experts == 256:
-            # This machine's speed drifts between runs (topoep's median has moved by 1.5x from one
-            # run to the next): the latency is measured in several separate runs, each a median of
-            # back-to-back calls, and the headline is the median over the runs.
-            runs = [{k: v * 1e6 for k, v in latency(topology, families["zipf-1.0"][0], args.min_gain,
-                                                    50 if args.quick else 300).items()}
-                    for _ in range(1 if args.quick else LATENCY_RUNS)]
-            results["latency_runs_us"] = runs
-            results["latency_us"] = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+            lat = latency(topology, families["zipf-1.0"][0], args.min_gain, 8 if args.quick else 200)
+            results["latency_us"] = {k: v * 1e6 for k, v in lat["median_s"].items()}
+            results["latency_min_us"] = {k: v * 1e6 for k, v in lat["min_s"].items()}
+            results["latency_method"] = {k: lat[k] for k in ("rounds", "batch")}
+            results["eplb_host_over_topoep"] = lat["eplb_host_over_topoep"]
         if num_experts == 256 and not args.quick:
             results["taot_score"] = score_sweep(topology, families)
         for guest_slots in (2, 1):
