@@ -13,6 +13,10 @@ from jtopoep.planners.routing import plan_from_quotas
 from jtopoep.planners.swaps import locality_swaps
 
 
+# Columns of CopyState.ranks: room, slots used, then K guest expert ids, then their K quotas.
+_ROOM, _USED, _GUESTS = 0, 1, 2
+
+
 class CopyState(NamedTuple):
     """The state of a copy-placement loop over C candidate experts (one copy per step).
 
@@ -27,23 +31,23 @@ class CopyState(NamedTuple):
 
     @property
     def room(self):  # [R] pairs each rank can still take below the target
-        return self.ranks[:, 0]
+        return self.ranks[:, _ROOM]
 
     @property
     def used(self):  # [R] guest slots filled
-        return self.ranks[:, 1]
+        return self.ranks[:, _USED]
 
     @property
     def guests(self):  # [R, K] expert id of each guest slot, -1 empty
-        return self.ranks[:, 2:2 + self.slots]
+        return self.ranks[:, _GUESTS:_GUESTS + self.slots]
 
     @property
     def quotas(self):  # [R, K] pairs each guest slot takes
-        return self.ranks[:, 2 + self.slots:]
+        return self.ranks[:, _GUESTS + self.slots:]
 
     @property
     def slots(self) -> int:
-        return (self.ranks.shape[1] - 2) // 2
+        return (self.ranks.shape[1] - _GUESTS) // 2
 
 
 def start_copies(counts, placement, cand, spill, target, slots: int, pair_fwd_s: float) -> CopyState:
@@ -62,13 +66,13 @@ def make_copy(state: CopyState, e, d, amount, ok, cand, home, link, pair_fwd_s: 
     num_ranks, slots = state.ranks.shape[0], state.slots
     amount = jnp.where(ok, amount, 0)
     at_d = (ok & (jnp.arange(num_ranks) == d))[:, None]
-    column = jnp.arange(2 + 2 * slots)[None, :]
+    column = jnp.arange(state.ranks.shape[1])[None, :]
     used = state.used[d]
     # Room falls by the amount, one more slot is used, and the next free slot takes e and its quota.
-    ranks = jnp.where(at_d & (column == 2 + used), cand[e],
-                      jnp.where(at_d & (column == 2 + slots + used), amount,
-                                state.ranks - jnp.where(at_d & (column == 0), amount, 0)
-                                + jnp.where(at_d & (column == 1), 1, 0)))
+    ranks = jnp.where(at_d & (column == _GUESTS + used), cand[e],
+                      jnp.where(at_d & (column == _GUESTS + slots + used), amount,
+                                state.ranks - jnp.where(at_d & (column == _ROOM), amount, 0)
+                                + jnp.where(at_d & (column == _USED), 1, 0)))
     is_e = jnp.arange(state.spill.shape[0]) == e
     return state._replace(
         spill=state.spill - jnp.where(is_e, amount, 0),
