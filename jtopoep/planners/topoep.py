@@ -88,15 +88,19 @@ class TopoEPPlanner(PlannerBase):
             saved = (jnp.minimum(moved, crossing[:, e]) * pair_bytes - jnp.where(remote[:, e], copy_bytes, 0.0))
             # Only nodes that absorb at least half what the best one can compete on bytes: the home
             # rank ships every copy of e, and a sliver of a copy spends a slot and a transfer on it.
-            most = absorb.max()
-            big = usable & (2 * absorb >= most)
-            key = jnp.where(big, saved, -jnp.inf)
-            best = key.max()
-            # Nodes within 10% of the best saving count as equally good for traffic; among them the
-            # one that absorbs the most, so that each copy fills a rank (few slots, good balance).
-            near = big & (key >= best - 0.1 * jnp.abs(best))
-            node = first_argmax(jnp.where(near, absorb, never))
-            ok = most > 0
+            # Nodes within 10% of the best saving among those count as equally good for traffic;
+            # among them the one that absorbs the most wins, so that each copy fills a rank (few
+            # slots, good balance). Each test compares every node with every other ([N, N], one
+            # kernel each; a maximum, then a comparison with it, takes two): x - 0.1 |x| rises with
+            # x, so clearing every big node's own threshold is clearing the best one's.
+            big = usable & jnp.all(2 * absorb[:, None] >= absorb[None, :], axis=1)
+            threshold = saved - 0.1 * jnp.abs(saved)
+            near = big & jnp.all(~big[None, :] | (saved[:, None] >= threshold[None, :]), axis=1)
+            first = (absorb[:, None] > absorb[None, :]) | ((absorb[:, None] == absorb[None, :])
+                                                          & (node_ids[:, None] <= node_ids[None, :]))
+            wins = near & jnp.all(~near[None, :] | first, axis=1)
+            winner = (wins * (node_ids + 1)).sum()  # 1 + the winning node; 0 when no node can take e
+            node, ok = jnp.maximum(winner - 1, 0), winner > 0
             d = dest[node]
             state = make_copy(state, e, d, absorb[node], ok, cand, home, link_s[home, d], pair_fwd_s)
             # A spilling expert that cannot be placed anywhere keeps its spill at home.
