@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +20,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks.loads import synthetic_families
+from benchmarks.planners import latency
 from jtopoep.dispatch import ExpertWeights, moe_dispatch
 from jtopoep.plan import contiguous_placement
-from jtopoep.planners import eplb_host, get_planner
+from jtopoep.planners import get_planner
 from jtopoep.topology import Topology, make_mesh
 
 
@@ -68,27 +67,15 @@ def check_ragged(out: dict) -> None:
 
 
 def planner_latency(out: dict) -> None:
+    """The planner benchmark's latency measurement (interleaved rounds of back-to-back batches, the
+    same planners and expert shapes), on this machine's default device."""
     topology = Topology.preset("h800-4x8")
-    counts = jnp.asarray(synthetic_families(32, 256, 4096, steps=1)["zipf-1.0"][0])
-    lat = {}
-    for name in ("none", "eplb", "topoep", "taot"):
-        fn = jax.jit(get_planner(name, topology=topology, num_experts=256, guest_slots=2))
-        jax.block_until_ready(fn(counts))
-        times = []
-        for _ in range(200):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(counts))
-            times.append(time.perf_counter() - start)
-        lat[name] = statistics.median(times) * 1e6
-    host = get_planner("eplb", topology=topology, num_experts=256, guest_slots=2)
-    times = []
-    for _ in range(20):
-        start = time.perf_counter()
-        jax.block_until_ready(eplb_host(host, counts))
-        times.append(time.perf_counter() - start)
-    lat["eplb_host"] = statistics.median(times) * 1e6
-    out["planner_latency_us"] = {"device": jax.devices()[0].device_kind, **lat}
-    print("planner latency (us):", {k: round(v) for k, v in lat.items()}, flush=True)
+    counts = synthetic_families(32, 256, 4096, steps=1)["zipf-1.0"][0]
+    lat = latency(topology, counts, 0.0, rounds=40)
+    out["planner_latency_us"] = {"device": jax.devices()[0].device_kind,
+                                 **{k: v * 1e6 for k, v in lat["median_s"].items()},
+                                 "eplb_host_over_topoep": lat["eplb_host_over_topoep"]}
+    print("planner latency (us):", {k: round(v * 1e6) for k, v in lat["median_s"].items()}, flush=True)
 
 
 def main(argv=None) -> dict:
