@@ -21,7 +21,7 @@ import numpy as np
 
 from benchmarks.loads import all_families
 from jtopoep.costmodel import ExpertDims, layer_time
-from jtopoep.metrics import summarize
+from jtopoep.metrics import inter_bytes_floor, summarize
 from jtopoep.planners import eplb_host, get_planner
 from jtopoep.topology import Topology
 
@@ -83,6 +83,7 @@ def evaluate(topology, families: dict, num_experts: int, guest_slots: int, min_g
     planners = {name: jax.jit(make(name, topology, num_experts, guest_slots, min_gain, **overrides.get(name, {})))
                 for name in only}
     for family, mats in families.items():
+        floor = float(np.mean([inter_bytes_floor(c, topology, DIMS, guest_slots) for c in mats]))
         for name, fn in planners.items():
             stats = []
             for counts in mats:
@@ -100,6 +101,7 @@ def evaluate(topology, families: dict, num_experts: int, guest_slots: int, min_g
                 "inter_pairs": float(col("inter_pairs").mean()),
                 "inter_bytes": float(col("inter_bytes").mean()),
                 "inter_weight_bytes": float(col("inter_weight_bytes").mean()),
+                "inter_bytes_floor": floor,
                 "guest_copies": float(col("guest_copies").mean()),
                 "wcc": float(col("wcc").mean()),
                 "layer_ms": float(col("layer_ms").mean()),
@@ -112,6 +114,7 @@ def evaluate(topology, families: dict, num_experts: int, guest_slots: int, min_g
             row = rows[(family, name)]
             row["inter_bytes_vs_eplb"] = row["inter_bytes"] / base["inter_bytes"] - 1
             row["wcc_vs_eplb"] = row["wcc"] / base["wcc"] - 1
+            row["floor_vs_eplb"] = row["inter_bytes_floor"] / base["inter_bytes"] - 1
     return rows
 
 
@@ -165,6 +168,26 @@ def sweeps(topology, families: dict, repeats: int) -> dict:
     return out
 
 
+def floor_table(rows: list[dict]) -> list[str]:
+    """Inter-node bytes against their floor (metrics.inter_bytes_floor): how far below eplb any plan
+    with these guest slots could go, and how much of that cut each topology-aware planner makes."""
+    by = {(r["load"], r["planner"]): r for r in rows}
+    lines = ["Inter-node bytes (tokens plus guest weights) against the floor no plan with these guest slots "
+             "can go below, home experts fixed, whatever its balance:", "",
+             "| load | eplb GB | floor GB | floor vs eplb | topoep vs eplb | taot vs eplb | "
+             "share of the reachable cut: topoep, taot |", "|---|---|---|---|---|---|---|"]
+    for load in dict.fromkeys(r["load"] for r in rows):
+        eplb, topoep, taot = (by[(load, p)] for p in ("eplb", "topoep", "taot"))
+        cut = eplb["inter_bytes"] - eplb["inter_bytes_floor"]
+        share = ", ".join(f"{100 * (eplb['inter_bytes'] - r['inter_bytes']) / cut:.0f}%" if cut > 0 else "-"
+                          for r in (topoep, taot))
+        lines.append(f"| {load} | {eplb['inter_bytes'] / 1e9:.2f} | {eplb['inter_bytes_floor'] / 1e9:.2f} | "
+                     f"{100 * eplb['floor_vs_eplb']:+.1f}% | {100 * topoep['inter_bytes_vs_eplb']:+.1f}% | "
+                     f"{100 * taot['inter_bytes_vs_eplb']:+.1f}% | {share} |")
+    lines.append("")
+    return lines
+
+
 def markdown(results: dict) -> str:
     lines = []
     lat, method = results["latency_us"], results["latency_method"]
@@ -187,6 +210,7 @@ def markdown(results: dict) -> str:
                          f"{row['inter_bytes'] / 1e9:.2f} | {100 * row['inter_bytes_vs_eplb']:+.0f}% | "
                          f"{100 * row['wcc_vs_eplb']:+.0f}% | {row['guest_copies']:.0f} | {row['layer_ms']:.2f} |")
         lines.append("")
+        lines.extend(floor_table(rows))
     if "sweeps" in results:
         lines.append("### Knob sweeps (E = 256, K = 2)")
         lines.append("")

@@ -13,7 +13,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jtopoep.costmodel import EXCHANGES_PER_LAYER, ExpertDims, link_class, guest_transfers
-from jtopoep.plan import Plan
+from jtopoep.plan import Plan, home_rank_of_experts
 from jtopoep.topology import Topology
 
 
@@ -78,3 +78,27 @@ def summarize(plan: Plan, counts, topology: Topology, dims: ExpertDims, placemen
     out["wcc_weights"] = weight_wcc
     out["wcc"] = token_wcc + weight_wcc
     return out
+
+
+def inter_bytes_floor(counts, topology: Topology, dims: ExpertDims, guest_slots: int, placement=None) -> float:
+    """The fewest inter-node bytes (tokens plus guest weights, as `summarize` counts them) that any
+    plan with `guest_slots` guest slots per rank can have for these counts, home experts fixed.
+
+    A pair from a source on node n to an expert homed on another node crosses the scale-out link
+    unless a copy of that expert on node n serves it, and that copy's weights and gradients cross it
+    instead. So one copy of expert e on node n saves at most share[n, e] pairs' worth of exchanges
+    minus one copy's weight traffic, a second copy on the same node saves nothing more, and a node
+    has gpus_per_node x guest_slots slots. The floor takes each node's best such savings, ignoring
+    balance and every rank's capacity: no planner can go below it, whatever imbalance it accepts."""
+    counts = np.asarray(counts, np.float64)
+    num_ranks, num_experts = counts.shape
+    if placement is None:
+        placement = np.arange(num_experts).reshape(num_ranks, -1)
+    gpus = topology.gpus_per_node
+    home_node = home_rank_of_experts(np.asarray(placement), np) // gpus
+    share = counts.reshape(topology.num_nodes, gpus, num_experts).sum(1)  # [N, E]
+    crossing = np.where(np.arange(topology.num_nodes)[:, None] != home_node[None, :], share, 0.0)
+    token_bytes = dims.pair_bytes * EXCHANGES_PER_LAYER
+    savings = np.maximum(crossing * token_bytes - 2.0 * dims.expert_bytes, 0.0)
+    best = -np.sort(-savings, axis=1)[:, :gpus * guest_slots]
+    return float(crossing.sum() * token_bytes - best.sum())

@@ -112,3 +112,26 @@ def test_ideal_layer_time_spreads_compute_and_traffic():
     # 7 intra and 14 inter pairs in all, a quarter of each per rank
     assert t["exchange_s"] == pytest.approx(4 * (max(7 / 4 * 2000 / 100e9, 14 / 4 * 2000 / 25e9) + 5e-6))
     assert t["total_s"] == pytest.approx(t["gemm_s"] + t["exchange_s"])
+
+
+def test_inter_bytes_floor_is_reached_by_a_node_copy():
+    """Expert 0 (home rank 0, node 0) takes 5000 pairs from every rank: node 1's 10,000 cross. One
+    copy on node 1 fed by node 1 alone keeps them home at the price of one copy's weights and
+    gradients crossing instead; that plan sits exactly on the floor."""
+    from jtopoep.metrics import inter_bytes_floor
+    from jtopoep.planners.routing import plan_from_quotas
+
+    counts = np.zeros((4, 8), np.int32)
+    counts[:, 0] = 5000
+    token_bytes, copy_bytes = 1000 * 2 * 4, 2 * 3 * 1000 * 2000 * 2
+    assert inter_bytes_floor(counts, TOPO, DIMS, 0) == 10_000 * token_bytes
+    assert inter_bytes_floor(counts, TOPO, DIMS, 1) == 10_000 * token_bytes - (10_000 * token_bytes - copy_bytes)
+    # A copy is worth it only while node 1's share outweighs the copy's own traffic.
+    few = counts // 5000 * 1000
+    assert inter_bytes_floor(few, TOPO, DIMS, 1) == 2000 * token_bytes
+    slot_expert = np.concatenate([PLACEMENT, np.full((4, 1), -1)], axis=1)
+    slot_expert[2, 2] = 0
+    quota = np.zeros((4, 3), np.int32)
+    quota[0, 0], quota[2, 2] = 10_000, 10_000
+    plan = plan_from_quotas(counts, slot_expert, quota, 2, True, np)
+    assert summarize(plan, counts, TOPO, DIMS)["inter_bytes"] == inter_bytes_floor(counts, TOPO, DIMS, 1)

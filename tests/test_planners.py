@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from jax.sharding import PartitionSpec as P
 
-from jtopoep.metrics import summarize
+from jtopoep.metrics import inter_bytes_floor, summarize
 from jtopoep.plan import check_plan
 from jtopoep.planners import eplb_host, get_planner
 from jtopoep.topology import make_mesh
@@ -43,6 +43,18 @@ def test_min_gain_plans_are_valid(load):
     counts = adversarial(load[0], 8 * R, load[1], load[2])
     for name in ("eplb", "topoep", "taot"):
         check_plan(jitted(name, 8 * R, 2, 1.0)[1](counts), counts)
+
+
+@settings(max_examples=40)
+@given(load=loads)
+def test_no_plan_crosses_nodes_less_than_the_floor(load):
+    """metrics.inter_bytes_floor bounds every planner's inter-node bytes from below, at the tests'
+    small expert shapes where copies pay for themselves after a dozen pairs."""
+    counts = adversarial(load[0], 8 * R, load[1], load[2])
+    floor = inter_bytes_floor(counts, TOPO, DIMS, 2)
+    for name in PLANNERS:
+        plan = jitted(name, 8 * R, 0 if name == "none" else 2)[1](counts)
+        assert summarize(plan, counts, TOPO, DIMS)["inter_bytes"] >= floor * (1 - 1e-12), name
 
 
 @settings(max_examples=30)
