@@ -78,6 +78,13 @@ def test_plan_from_quotas_matches_loop_reference(tiered):
         np.testing.assert_array_equal(np.asarray(on_device.route), want, err_msg=f"seed {seed}")
         np.testing.assert_array_equal(on_host.route, want, err_msg=f"seed {seed}")
         check_plan(on_device, counts, np.arange(EXPERTS).reshape(RANKS, -1))
+        # Given a list of experts that holds every guest's (a copy loop's candidates, here with
+        # others mixed in, in random order), the transport lists those home slots instead: same plan.
+        guests = np.unique(slot_expert[:, home:][slot_expert[:, home:] >= 0])
+        extra = np.random.default_rng(seed).choice(EXPERTS, size=3, replace=False)
+        experts = np.random.default_rng(seed + 1).permutation(np.union1d(guests, extra)).astype(np.int32)
+        listed = plan_from_quotas(counts, slot_expert, quota, GPUS, tiered, np, experts=experts)
+        np.testing.assert_array_equal(listed.route, want, err_msg=f"seed {seed}, experts listed")
 
 
 def test_tiered_routing_feeds_copies_from_their_own_node_first():

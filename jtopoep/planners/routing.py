@@ -22,7 +22,7 @@ def _nonnegative_div(a, b: int, xp):
     return a // b if xp is np else jax.lax.div(a, jnp.asarray(b, a.dtype))
 
 
-def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: bool, xp=jnp) -> Plan:
+def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: bool, xp=jnp, experts=None) -> Plan:
     """The plan for given slot contents and per-slot quotas: every slot takes exactly its quota.
 
     Greedy transport by interval overlap, per expert: lay its sources (rank order) and its copies
@@ -35,7 +35,12 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     slot. The transport runs on the m = 2 * R * K slots that can hold such copies (the guest slots,
     and the home slot of each guest's expert, listed once), laid out per source and slot, [R, m]:
     its cost grows with the guest slots, not with E or with the square of the ranks. Requires
-    sum of quotas per expert == its load: every pair lands and nothing is invented."""
+    sum of quotas per expert == its load: every pair lands and nothing is invented.
+
+    experts: optional [C] distinct expert ids among which every guest copy's expert is (a copy
+    loop's candidates). Then the home slots listed are those C, m = R * K + C, and no pairwise
+    search for the distinct guest experts is needed: with C = R and K = 2, a quarter fewer entries
+    and about half the [m, m] work. The plan is the same either way."""
     num_ranks, num_experts = counts.shape
     num_slots = slot_expert.shape[1]
     home = num_experts // num_ranks
@@ -50,17 +55,26 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     slot_of = (xp.arange(num_ranks)[:, None] * num_slots + xp.arange(num_slots)[None, :]).astype(xp.int32)
     home_slot = scatter_set(num_experts, slot_expert[:, :home].reshape(-1), slot_of[:, :home].reshape(-1), xp)
     guest = slot_expert[:, home:].reshape(-1)  # [R*K]
-    num_guests = guest.shape[0]
-    same = (guest[:, None] == guest[None, :]) & (guest >= 0)[:, None]
-    # Experts with guests get compact ids: the index of their first guest slot. The transport works on
-    # [R, R * K] arrays of those, not [R, E].
-    compact_of_guest = first_argmax(same, axis=1, xp=xp).astype(xp.int32)
-    first = (guest >= 0) & (compact_of_guest == xp.arange(num_guests))
-    listed = xp.concatenate([slot_of[:, home:].reshape(-1), xp.where(first, home_slot[xp.maximum(guest, 0)], -1)])
+    # Experts with guests get compact ids, and the transport works on [R, ids] arrays of those, not
+    # [R, E]: with `experts`, an expert's index there; else the index of its first guest slot.
+    if experts is None:
+        compact_expert = guest  # [R*K] by compact id; -1 where no guest
+        same = (guest[:, None] == guest[None, :]) & (guest >= 0)[:, None]
+        compact_of_guest = first_argmax(same, axis=1, xp=xp).astype(xp.int32)
+        listed_home = (guest >= 0) & (compact_of_guest == xp.arange(guest.shape[0]))
+    else:
+        compact_expert = experts.astype(xp.int32)  # [C]
+        hit = guest[:, None] == compact_expert[None, :]
+        compact_of_guest = ((hit * xp.arange(1, compact_expert.shape[0] + 1, dtype=xp.int32)).sum(1) - 1)
+        listed_home = xp.ones(compact_expert.shape, bool)
+    num_ids = compact_expert.shape[0]
+    listed = xp.concatenate([slot_of[:, home:].reshape(-1),
+                             xp.where(listed_home, home_slot[xp.maximum(compact_expert, 0)], -1)])
     m = listed.shape[0]
     ids = xp.arange(m, dtype=xp.int32)
-    valid = xp.concatenate([guest >= 0, first])
-    safe = xp.concatenate([compact_of_guest, xp.arange(num_guests, dtype=xp.int32)])  # compact id per entry
+    valid = xp.concatenate([guest >= 0, listed_home])
+    safe = xp.concatenate([xp.maximum(compact_of_guest, 0),
+                           xp.arange(num_ids, dtype=xp.int32)]).astype(xp.int32)  # compact id per entry
     capacity = xp.where(valid, quota.reshape(-1)[xp.maximum(listed, 0)], 0).astype(xp.int32)  # [m]
     rank = _nonnegative_div(xp.maximum(listed, 0), num_slots, xp)
     node = _nonnegative_div(rank, gpus_per_node, xp)
@@ -69,7 +83,7 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     # last, each its own segment. A copy's interval ends at the capacity of the copies in its
     # segment up to and including it: a masked [m, m] sum, which XLA:CPU runs as one kernel where a
     # sort by expert and a segmented prefix sum took some forty.
-    by_expert = xp.where(valid, safe * num_ranks + rank, num_guests * num_ranks + ids)
+    by_expert = xp.where(valid, safe * num_ranks + rank, num_ids * num_ranks + ids)
     at_or_before = by_expert[None, :] <= by_expert[:, None]  # [i, j]: copy j comes no later than copy i
 
     def copy_prefix(cap, segment):  # [m] end of each copy's interval among the copies in its segment
@@ -77,25 +91,25 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
 
     sources = xp.arange(num_ranks)
     flow = xp.zeros((num_ranks, m), xp.int32)  # [source, listed slot]
-    supply = xp.where((guest >= 0)[None, :], counts[:, xp.maximum(guest, 0)], 0)  # [R, R*K] by compact id
+    supply = xp.where((compact_expert >= 0)[None, :], counts[:, xp.maximum(compact_expert, 0)], 0)  # [R, ids]
     if tiered:
         local = xp.where(valid, xp.minimum(supply[rank, safe], capacity), 0)
-        supply = supply - scatter_add((num_ranks, num_guests), (rank, safe), local, xp)
+        supply = supply - scatter_add((num_ranks, num_ids), (rank, safe), local, xp)
         capacity = capacity - local
         flow = flow + xp.where(sources[:, None] == rank[None, :], local[None, :], 0)
         # Within the node: the node's sources and copies, prefix sums restarting at each node.
         src = node[:, None] * gpus_per_node + xp.arange(gpus_per_node)[None, :]  # [m, G]
         node_supply = supply[src, safe[:, None]]
         s_hi = prefix_sum(node_supply, 1, xp)
-        c_hi = copy_prefix(capacity, xp.where(valid, safe * num_nodes + node, num_guests * num_nodes + ids))
+        c_hi = copy_prefix(capacity, xp.where(valid, safe * num_nodes + node, num_ids * num_nodes + ids))
         in_node = _overlap(s_hi, node_supply, c_hi[:, None], capacity[:, None], xp)  # [m, G]
-        supply = supply - scatter_add((num_ranks, num_guests), (src, xp.broadcast_to(safe[:, None], src.shape)),
+        supply = supply - scatter_add((num_ranks, num_ids), (src, xp.broadcast_to(safe[:, None], src.shape)),
                                       in_node, xp)
         capacity = capacity - in_node.sum(1)
         same_node = (sources // gpus_per_node)[:, None] == node[None, :]
         flow = flow + xp.where(same_node, in_node.T[sources % gpus_per_node], 0)
     supply = supply[:, safe]  # [R, m]
-    c_hi = copy_prefix(capacity, xp.where(valid, safe, num_guests + ids))
+    c_hi = copy_prefix(capacity, xp.where(valid, safe, num_ids + ids))
     anywhere = _overlap(prefix_sum(supply, 0, xp), supply, c_hi[None, :], capacity[None, :], xp)
     flow = xp.where(valid[None, :], flow + anywhere, 0)
     # Written into the listed slots' columns by a scatter, which makes XLA compute `flow` once; as a
