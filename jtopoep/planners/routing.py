@@ -78,20 +78,16 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     capacity = xp.where(valid, quota.reshape(-1)[xp.maximum(listed, 0)], 0).astype(xp.int32)  # [m]
     rank = _nonnegative_div(xp.maximum(listed, 0), num_slots, xp)
     node = _nonnegative_div(rank, gpus_per_node, xp)
-    num_nodes = num_ranks // gpus_per_node
-    # Copies of one expert in rank order (a rank holds at most one copy of an expert); unused entries
-    # last, each on its own. A copy's interval ends at the capacity of the copies of its expert up to
-    # and including it, counted from the first in its segment: the expert's copies on its node
-    # (within the node) or all of them (anywhere). On the key expert * R + rank, copy j is in copy
-    # i's segment and no later than it when 0 <= key_i - key_j <= the ranks between i and the
-    # segment's first possible rank. That is a masked [m, m] sum, one XLA:CPU kernel, where a sort by
-    # expert and a segmented prefix sum took some forty; one key and a per-row limit keep it at a
-    # subtraction and two comparisons an element.
-    key = xp.where(valid, safe * num_ranks + rank, num_ids * num_ranks + ids)
-    behind = key[:, None] - key[None, :]  # [i, j]
 
-    def copy_prefix(cap, reach):  # [m] end of each copy's interval among the copies in its segment
-        return xp.where((behind >= 0) & (behind <= reach[:, None]), cap[None, :], 0).sum(1)
+    def copy_prefix(cap, first_rank, width: int):
+        """[m] end of each copy's interval: the capacity of the copies of its expert on ranks
+        first_rank .. its own (a rank holds at most one copy of an expert, so rank order is the
+        copies' order). Looked up in a [rank, expert] table of capacities, [m, width] elements, where
+        a masked sum over all pairs of entries took [m, m] (and XLA:CPU split that over threads,
+        which cost more than the sum)."""
+        table = scatter_add((num_ranks, num_ids), (rank, safe), xp.where(valid, cap, 0), xp)
+        at = first_rank[:, None] + xp.arange(width, dtype=xp.int32)[None, :]  # [m, width]
+        return xp.where(at <= rank[:, None], table[xp.minimum(at, num_ranks - 1), safe[:, None]], 0).sum(1)
 
     sources = xp.arange(num_ranks)
     flow = xp.zeros((num_ranks, m), xp.int32)  # [source, listed slot]
@@ -105,7 +101,7 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
         src = node[:, None] * gpus_per_node + xp.arange(gpus_per_node)[None, :]  # [m, G]
         node_supply = supply[src, safe[:, None]]
         s_hi = prefix_sum(node_supply, 1, xp)
-        c_hi = copy_prefix(capacity, xp.where(valid, rank - node * gpus_per_node, 0))
+        c_hi = copy_prefix(capacity, node * gpus_per_node, gpus_per_node)
         in_node = _overlap(s_hi, node_supply, c_hi[:, None], capacity[:, None], xp)  # [m, G]
         supply = supply - scatter_add((num_ranks, num_ids), (src, xp.broadcast_to(safe[:, None], src.shape)),
                                       in_node, xp)
@@ -113,7 +109,7 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
         same_node = (sources // gpus_per_node)[:, None] == node[None, :]
         flow = flow + xp.where(same_node, in_node.T[sources % gpus_per_node], 0)
     supply = supply[:, safe]  # [R, m]
-    c_hi = copy_prefix(capacity, xp.where(valid, rank, 0))
+    c_hi = copy_prefix(capacity, xp.zeros_like(rank), num_ranks)
     anywhere = _overlap(prefix_sum(supply, 0, xp), supply, c_hi[None, :], capacity[None, :], xp)
     flow = xp.where(valid[None, :], flow + anywhere, 0)
     # Written into the listed slots' columns by a scatter, which makes XLA compute `flow` once; as a
