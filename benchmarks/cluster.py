@@ -51,7 +51,9 @@ class Deployment:
 
     Fewer experts than ranks (Mixtral: 8 on 32): each expert is split into R / E slices of its hidden
     width (expert-tensor parallelism, as Megatron-Core's ETP), and a routed pair visits every slice.
-    Experts not divisible by R (Qwen1.5-MoE: 60): padded with experts that receive no tokens."""
+    Experts not divisible by R (Qwen1.5-MoE: 60): padded with experts that receive no tokens, one
+    on each of ranks spread evenly over the mesh (as a deployment would spread 60 experts over 32
+    GPUs), not all on the last ranks, which would leave those GPUs with no expert of their own."""
     model: ModelConfig
     num_ranks: int
 
@@ -68,10 +70,20 @@ class Deployment:
     def dims(self) -> ExpertDims:
         return ExpertDims(self.model.d_model, self.model.expert_hidden // self.slices, self.model.param_bytes)
 
+    @property
+    def padding(self) -> np.ndarray:
+        """Planner expert ids of the empty padding experts: the last home slot of ranks
+        floor(j R / P), j < P (P < R, so at most one per rank)."""
+        home = self.num_experts // self.num_ranks
+        pads = self.num_experts - self.model.num_experts * self.slices
+        ranks = np.arange(pads) * self.num_ranks // max(pads, 1)
+        return (ranks + 1) * home - 1
+
     def expand(self, counts: np.ndarray) -> np.ndarray:
         """[R, E_model] counts -> [R, E_planner]: slices repeat their expert's pairs; padding is empty."""
         out = np.zeros((counts.shape[0], self.num_experts), np.int32)
-        out[:, : self.model.num_experts * self.slices] = np.repeat(counts, self.slices, axis=1)
+        real = np.setdiff1d(np.arange(self.num_experts), self.padding)
+        out[:, real] = np.repeat(counts, self.slices, axis=1)
         return out
 
 

@@ -22,7 +22,11 @@ def test_deployment_slices_and_pads():
     np.testing.assert_array_equal(mixtral.expand(counts)[:, :8], np.repeat(counts, 4, axis=1)[:, :8])
     qwen = cluster.Deployment(cluster.load_model("qwen1.5-moe"), 32)
     assert qwen.slices == 1 and qwen.num_experts == 64
-    assert (qwen.expand(np.ones((32, 60), np.int32))[:, 60:] == 0).all()
+    expanded = qwen.expand(np.arange(60, dtype=np.int32)[None, :] + 1)
+    # Four empty experts, one on each of four ranks spread over the mesh; the 60 others keep their order.
+    np.testing.assert_array_equal(qwen.padding, [1, 17, 33, 49])
+    assert (expanded[0, qwen.padding] == 0).all()
+    np.testing.assert_array_equal(np.delete(expanded[0], qwen.padding), np.arange(1, 61))
 
 
 def test_projection_orders_planners_sensibly():
