@@ -57,9 +57,17 @@ def reference_route(counts, slot_expert, quota, tiered):
         if tiered:
             for s in range(RANKS):  # own rank
                 fill(supply, capacity, flows, [s], [c for c in copies if c[0] == s])
-            for n in range(RANKS // GPUS):  # own node
-                fill(supply, capacity, flows, [s for s in range(RANKS) if node[s] == n],
-                     [c for c in copies if node[c[0]] == n])
+            for n in range(RANKS // GPUS):  # own node: shares in proportion to capacity
+                sources = [s for s in range(RANKS) if node[s] == n]
+                here = [c for c in copies if node[c[0]] == n]
+                total = sum(capacity[c] for c in here)
+                kept = np.float32(min(sum(supply[s] for s in sources), total))
+                share = {c: min(capacity[c], int(np.floor(kept * np.float32(capacity[c]) / np.float32(max(total, 1)))))
+                         for c in here}
+                before = dict(share)
+                fill(supply, share, flows, sources, here)
+                for c in here:
+                    capacity[c] -= before[c] - share[c]
         fill(supply, capacity, flows, range(RANKS), copies)  # anywhere
         for s in range(RANKS):
             for (d, j), moved in flows[s].items():

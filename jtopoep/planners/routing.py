@@ -79,15 +79,16 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     rank = _nonnegative_div(xp.maximum(listed, 0), num_slots, xp)
     node = _nonnegative_div(rank, gpus_per_node, xp)
 
-    def copy_prefix(cap, first_rank, width: int):
+    def copy_prefix(cap, first_rank, width: int, whole: bool = False):
         """[m] end of each copy's interval: the capacity of the copies of its expert on ranks
         first_rank .. its own (a rank holds at most one copy of an expert, so rank order is the
-        copies' order). Looked up in a [rank, expert] table of capacities, [m, width] elements, where
-        a masked sum over all pairs of entries took [m, m] (and XLA:CPU split that over threads,
-        which cost more than the sum)."""
+        copies' order), or on all `width` ranks from first_rank (whole). Looked up in a [rank,
+        expert] table of capacities, [m, width] elements, where a masked sum over all pairs of
+        entries took [m, m] (and XLA:CPU split that over threads, which cost more than the sum)."""
         table = scatter_add((num_ranks, num_ids), (rank, safe), xp.where(valid, cap, 0), xp)
         at = first_rank[:, None] + xp.arange(width, dtype=xp.int32)[None, :]  # [m, width]
-        return xp.where(at <= rank[:, None], table[xp.minimum(at, num_ranks - 1), safe[:, None]], 0).sum(1)
+        mine = table[xp.minimum(at, num_ranks - 1), safe[:, None]]
+        return mine.sum(1) if whole else xp.where(at <= rank[:, None], mine, 0).sum(1)
 
     sources = xp.arange(num_ranks)
     flow = xp.zeros((num_ranks, m), xp.int32)  # [source, listed slot]
@@ -97,12 +98,22 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
         supply = supply - scatter_add((num_ranks, num_ids), (rank, safe), local, xp)
         capacity = capacity - local
         flow = flow + xp.where(sources[:, None] == rank[None, :], local[None, :], 0)
-        # Within the node: the node's sources and copies, prefix sums restarting at each node.
+        # Within the node: the node's sources and copies, prefix sums restarting at each node. The
+        # pairs the node keeps, min(its supply, its copies' capacity), are shared among its copies
+        # in proportion to their capacity, so that every copy of the expert there takes the same
+        # share of its pairs from the node. (Filling copies in rank order instead leaves the last
+        # with remote pairs only, and the exchange waits for the rank that receives the most pairs
+        # across nodes.) The share is a float32 product and quotient, floored, the same on every
+        # device; a pair it leaves over goes through the anywhere tier.
         src = node[:, None] * gpus_per_node + xp.arange(gpus_per_node)[None, :]  # [m, G]
         node_supply = supply[src, safe[:, None]]
         s_hi = prefix_sum(node_supply, 1, xp)
-        c_hi = copy_prefix(capacity, node * gpus_per_node, gpus_per_node)
-        in_node = _overlap(s_hi, node_supply, c_hi[:, None], capacity[:, None], xp)  # [m, G]
+        node_capacity = copy_prefix(capacity, node * gpus_per_node, gpus_per_node, whole=True)
+        kept = xp.minimum(s_hi[:, -1], node_capacity).astype(xp.float32)
+        share = xp.floor(kept * capacity.astype(xp.float32) / xp.maximum(node_capacity, 1).astype(xp.float32))
+        share = xp.minimum(share.astype(xp.int32), capacity)
+        c_hi = copy_prefix(share, node * gpus_per_node, gpus_per_node)
+        in_node = _overlap(s_hi, node_supply, c_hi[:, None], share[:, None], xp)  # [m, G]
         supply = supply - scatter_add((num_ranks, num_ids), (src, xp.broadcast_to(safe[:, None], src.shape)),
                                       in_node, xp)
         capacity = capacity - in_node.sum(1)
