@@ -120,3 +120,20 @@ def test_spill_matches_sorted_definition():
                 excess -= want[e]
         np.testing.assert_array_equal(np.asarray(jitted(jnp.asarray(loads), jnp.asarray(placement), target)), want)
         np.testing.assert_array_equal(spill_per_expert(loads, placement, target, np), want)
+
+
+def test_node_pairs_are_shared_in_proportion_to_capacity():
+    """Expert 0 lives on rank 0 and has a guest copy on rank 1, same node; ranks 2 and 3 (that node)
+    send 15 pairs each, ranks 4-7 (the other node) 15 each. The home slot takes 60 and the guest 30:
+    the node's 30 pairs split 20 / 10, so each copy takes two thirds of its pairs across nodes. In
+    rank order the home would take all 30 and leave the guest nothing but remote pairs."""
+    counts = np.zeros((RANKS, EXPERTS), np.int32)
+    counts[2:, 0] = 15
+    slot_expert = np.concatenate([np.arange(EXPERTS).reshape(RANKS, -1), np.full((RANKS, GUESTS), -1)], axis=1)
+    slot_expert[1, 2] = 0
+    quota = np.zeros_like(slot_expert)
+    quota[0, 0], quota[1, 2] = 60, 30
+    for route in (plan_from_quotas(counts, slot_expert, quota, GPUS, True, np).route,
+                  np.asarray(jax.jit(lambda c, s, q: plan_from_quotas(c, s, q, GPUS, True).route)(counts, slot_expert, quota))):
+        assert route[2:4, 0, 0].sum() == 20 and route[2:4, 1, 2].sum() == 10
+        assert route[4:, 0, 0].sum() == 40 and route[4:, 1, 2].sum() == 20

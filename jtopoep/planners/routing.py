@@ -28,8 +28,9 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     Greedy transport by interval overlap, per expert: lay its sources (rank order) and its copies
     (rank order) end to end on one line each, by prefix sums, and send along the overlap of their
     intervals. With tiered=True a source first fills the copy on its own rank, then copies on its
-    own node (prefix sums that restart at each node), then anywhere, each tier on what the previous
-    left; tiered=False is the topology-oblivious split.
+    own node (prefix sums that restart at each node; the pairs a node keeps are shared among its
+    copies in proportion to their capacity), then anywhere, each tier on what the previous left;
+    tiered=False is the topology-oblivious split.
 
     Only experts with guest copies need this; every other expert sends all its pairs to its home
     slot. The transport runs on the m = 2 * R * K slots that can hold such copies (the guest slots,
@@ -39,8 +40,8 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
 
     experts: optional [C] distinct expert ids among which every guest copy's expert is (a copy
     loop's candidates). Then the home slots listed are those C, m = R * K + C, and no pairwise
-    search for the distinct guest experts is needed: with C = R and K = 2, a quarter fewer entries
-    and about half the [m, m] work. The plan is the same either way."""
+    search for the distinct guest experts is needed: with C = R and K = 2, a quarter fewer entries.
+    The plan is the same either way."""
     num_ranks, num_experts = counts.shape
     num_slots = slot_expert.shape[1]
     home = num_experts // num_ranks
