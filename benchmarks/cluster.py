@@ -9,8 +9,8 @@ Planners: none, eplb (per micro-batch, on device), eplb_host (host EPLB re-plann
 micro-batches from the mean of the last window's loads, as deployed systems do), topoep, taot, and
 ideal (the baseline's pairs and token traffic spread perfectly evenly over the ranks, with no
 planning or weight-transfer cost: costmodel.ideal_layer_time).
-Planning latency: the planner benchmark's jitted CPU median (benchmarks/results/planners.json),
-stated as a CPU figure until a GPU one exists.
+Planning latency: the planner benchmark's jitted CPU median, calls run inline
+(benchmarks/results/planners.json), stated as a CPU figure until a GPU one exists.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def planning_latency(path: pathlib.Path) -> dict:
 
 def markdown(results: dict) -> str:
     lines = ["Projected from the cost model (jtopoep/costmodel.py) on real routing; planning latency is the "
-             "jitted CPU median from the planner benchmark. Not GPU measurements.", ""]
+             "jitted CPU median from the planner benchmark (calls run inline). Not GPU measurements.", ""]
     for setting, models in results["settings"].items():
         lines.append(f"### {setting}")
         lines.append("")
