@@ -10,7 +10,7 @@ from jtopoep.plan import check_plan
 from jtopoep.planners import eplb_host, get_planner
 from jtopoep.topology import make_mesh
 
-from planner_cases import DIMS, R, TOPO, adversarial, jitted, loads
+from planner_cases import DIMS, KINDS, R, TOPO, adversarial, jitted, loads
 
 PLANNERS = ["none", "eplb", "topoep", "taot"]
 SETTINGS = [(E, K) for E in (R, 8 * R) for K in (0, 1, 2)]
@@ -144,3 +144,22 @@ def test_copies_must_pay_for_exposed_transfers(name):
     check_plan(plan, heavy)
     assert (np.asarray(plan.slot_expert)[:, 2:] >= 0).any()
     assert imbalance(plan) < imbalance(get_planner("none", topology=TOPO, num_experts=16, guest_slots=0)(heavy))
+
+
+def test_loops_with_a_static_trip_count_give_the_same_plans(monkeypatch):
+    """Off CPU the copy and swap loops run their full static trip count (no host round trip per
+    step on GPU); a step after the work is done changes nothing, so the plans are the same."""
+    from jtopoep.planners import loops
+
+    monkeypatch.setattr(loops, "EARLY_EXIT_PLATFORMS", ())
+    for name in ("topoep", "taot"):
+        planner, early = jitted(name, 8 * R, 2)
+        fixed = jax.jit(lambda c, p=planner: p(c))
+        hlo = fixed.lower(adversarial("zipf", 8 * R, 500, 0)).compile().as_text()
+        whiles = [line for line in hlo.splitlines() if " while(" in line]
+        assert whiles and all("known_trip_count" in line for line in whiles), name
+        for kind in KINDS:
+            for seed in range(4):
+                counts = adversarial(kind, 8 * R, 300 + 97 * seed, seed)
+                for a, b in zip(early(counts), fixed(counts)):
+                    assert np.array_equal(np.asarray(a), np.asarray(b)), (name, kind, seed)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jtopoep.costmodel import EXCHANGES_PER_LAYER, ExpertDims
 from jtopoep.ordering import descending_key, first_argmax, key_range, stable_order
 from jtopoep.plan import home_rank_of_experts
 from jtopoep.planners.common import carry_like, holds_home, scatter_add
+from jtopoep.planners.loops import step_until_done
 from jtopoep.planners.pricing import node_link_class, transfer_costs
 from jtopoep.topology import Topology
 
@@ -121,5 +121,5 @@ def locality_swaps(counts, placement, guests, quotas, cand, topology: Topology, 
                 hide)
 
     # At most R * K / 2 swaps; the exit test reads values identical on every device.
-    state = jax.lax.while_loop(lambda st: st[0] < (num_ranks * slots) // 2, step, state)
+    state = step_until_done(step, state, lambda st: st[0], (num_ranks * slots) // 2)
     return state[1], state[2]

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from jtopoep.costmodel import EXCHANGES_PER_LAYER
@@ -37,6 +36,7 @@ from jtopoep.plan import Plan, home_rank_of_experts
 from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, num_copy_candidates, spill_candidates,
                                      spill_per_expert, uncovered_node_pairs)
 from jtopoep.planners.copies import finish_plan, make_copy, start_copies
+from jtopoep.planners.loops import step_until_done
 from jtopoep.planners.pricing import copy_exposure, node_link_class
 from jtopoep.planners.sinkhorn import sinkhorn
 
@@ -141,6 +141,6 @@ class TaotPlanner(PlannerBase):
         state = start_copies(counts, placement, cand, spill0, target, slots, pair_fwd_s)
         # One copy per step, until no feasible move is left (a test every device evaluates alike).
         hint = self.flow_hint(counts, placement).plan[home]  # [C, R]
-        state, _, _ = jax.lax.while_loop(lambda c: c[0].step < num_ranks * slots, step,
-                                         (state, carry_like(hint, counts), carry_like(crossing0[rank_node].T, counts)))
+        state, _, _ = step_until_done(step, (state, carry_like(hint, counts), carry_like(crossing0[rank_node].T, counts)),
+                                      lambda c: c[0].step, num_ranks * slots)
         return finish_plan(self, counts, placement, state, cand)

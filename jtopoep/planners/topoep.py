@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 
 from jtopoep.costmodel import EXCHANGES_PER_LAYER
@@ -39,6 +38,7 @@ from jtopoep.plan import Plan, home_rank_of_experts
 from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, num_copy_candidates, spill_candidates,
                                      spill_per_expert, uncovered_node_pairs)
 from jtopoep.planners.copies import finish_plan, make_copy, start_copies
+from jtopoep.planners.loops import step_until_done
 from jtopoep.planners.pricing import copy_exposure, node_link_class
 
 
@@ -113,8 +113,8 @@ class TopoEPPlanner(PlannerBase):
         state = start_copies(counts, placement, cand, spill0, target, slots, pair_fwd_s)
         # At most one copy per step and R * K slots; the loop also ends once no spill is left. The
         # exit test reads only values every device holds identically, so all stop at the same step.
-        state, _ = jax.lax.while_loop(lambda c: c[0].step < num_ranks * slots, step,
-                                      (state, carry_like(crossing0, counts)))
+        state, _ = step_until_done(step, (state, carry_like(crossing0, counts)), lambda c: c[0].step,
+                                   num_ranks * slots)
         return finish_plan(self, counts, placement, state, cand)
 
     @property
