@@ -2,7 +2,9 @@
 
 1. the `ragged` transport (jax.lax.ragged_all_to_all) against the exact `dense` emulation: the MoE
    layer's output and gradients on a mesh of the GPUs present, every planner, flat and hierarchical;
-2. planner latency on the GPU (R = 32, E = 256, K = 2, jitted, median), beside the host eplb planner;
+2. planner latency on the GPU (R = 32, E = 256, K = 2, jitted, median), beside the host eplb planner,
+   and whether every loop of the compiled planners has a known trip count (else XLA:GPU reads its exit
+   test on the host after every iteration: jtopoep/planners/loops.py);
 3. the dispatch benchmark with the `ragged` transport;
 4. a short training run of the tiny model with the `ragged` transport.
 Writes DIR/gpu_check.json and prints a summary.
@@ -75,6 +77,14 @@ def planner_latency(out: dict) -> None:
                                  **{k: v * 1e6 for k, v in lat["median_s"].items()},
                                  "eplb_host_over_topoep": lat["eplb_host_over_topoep"]}
     print("planner latency (us):", {k: round(v * 1e6) for k, v in lat["median_s"].items()}, flush=True)
+    loops = {}
+    for name in ("topoep", "taot"):
+        planner = get_planner(name, topology=topology, num_experts=256, guest_slots=2)
+        hlo = jax.jit(planner).lower(counts).compile().as_text()
+        whiles = [line for line in hlo.splitlines() if " while(" in line]
+        loops[name] = {"loops": len(whiles), "known_trip_count": sum("known_trip_count" in w for w in whiles)}
+    out["planner_loops"] = loops
+    print("planner loops (known trip count / all):", loops, flush=True)
 
 
 def main(argv=None) -> dict:
