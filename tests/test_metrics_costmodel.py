@@ -135,3 +135,73 @@ def test_inter_bytes_floor_is_reached_by_a_node_copy():
     quota[0, 0], quota[2, 2] = 10_000, 10_000
     plan = plan_from_quotas(counts, slot_expert, quota, 2, True, np)
     assert summarize(plan, counts, TOPO, DIMS)["inter_bytes"] == inter_bytes_floor(counts, TOPO, DIMS, 1)
+
+
+def every_guest_layout(num_experts: int, guest_slots: int) -> np.ndarray:
+    """[n, R, K] every way to fill the guest slots of TOPO's 4 ranks: each rank holds up to K distinct
+    experts other than its own (-1 for an empty slot), in every combination over the ranks."""
+    import itertools
+
+    home = np.repeat(np.arange(4), num_experts // 4)
+    per_rank = []
+    for rank in range(4):
+        others = [e for e in range(num_experts) if home[e] != rank]
+        choices = [c for size in range(guest_slots + 1) for c in itertools.combinations(others, size)]
+        per_rank.append([list(c) + [-1] * (guest_slots - len(c)) for c in choices])
+    return np.array(list(itertools.product(*per_rank)))
+
+
+@pytest.mark.parametrize("num_experts,guest_slots", [(8, 1), (4, 2)])
+@pytest.mark.parametrize("seed", range(12))
+def test_inter_bytes_floor_is_the_brute_force_minimum(num_experts, guest_slots, seed):
+    """The floor against every guest layout of a 2 x 2 cluster. Without a balance constraint a pair
+    best goes to a copy of its expert on its own node, if there is one, else home; so a layout's
+    fewest inter-node bytes are the pairs of (remote node, expert) cells with no copy there, plus
+    the weights and gradients of every copy held off its expert's home node. The floor must equal
+    the least of those, and the plan that routes that best layout must measure exactly that."""
+    from jtopoep.metrics import inter_bytes_floor
+    from jtopoep.plan import check_plan
+    from jtopoep.planners.routing import plan_from_quotas
+
+    rng = np.random.default_rng(seed)
+    # Scales around a copy's break-even (3000 pairs at these shapes), so that copies pay on some
+    # cells and not on others.
+    counts = rng.integers(0, rng.integers(500, 4000), size=(4, num_experts)).astype(np.int32)
+    counts[:, rng.integers(num_experts)] += rng.integers(0, 3000, size=4).astype(np.int32)
+    token_bytes, copy_bytes = DIMS.pair_bytes * 4, 2 * DIMS.expert_bytes
+    home_node = np.repeat(np.arange(4), num_experts // 4) // 2
+    share = counts.reshape(2, 2, num_experts).sum(1).astype(np.float64)  # [node, expert]
+    remote = np.arange(2)[:, None] != home_node[None, :]
+
+    layouts = every_guest_layout(num_experts, guest_slots)  # [n, R, K]
+    node_of_slot = np.repeat(np.arange(4) // 2, guest_slots)
+    guests = layouts.reshape(len(layouts), -1)
+    held = np.zeros((len(layouts), 2, num_experts), bool)  # a copy of the expert on the node
+    for slot, node in enumerate(node_of_slot):
+        held[np.arange(len(layouts)), node, np.maximum(guests[:, slot], 0)] |= guests[:, slot] >= 0
+    off_home = (guests >= 0) & (node_of_slot[None, :] != home_node[np.maximum(guests, 0)])
+    best = (np.where(remote[None] & ~held, share[None], 0.0).sum((1, 2)) * token_bytes
+            + off_home.sum(1) * copy_bytes)
+    floor = inter_bytes_floor(counts, TOPO, DIMS, guest_slots)
+    assert floor == pytest.approx(best.min(), rel=1e-12)
+
+    # Route the best layout: each node's first copy of an expert takes that node's pairs of it.
+    layout = layouts[np.argmin(best)]
+    placement = np.arange(num_experts).reshape(4, -1)
+    home_slots = placement.shape[1]
+    slot_expert = np.concatenate([placement, layout], axis=1)
+    quota = np.zeros(slot_expert.shape, np.int64)
+    fed = np.zeros((2, num_experts), bool)
+    for rank in range(4):
+        for k in range(guest_slots):
+            e, node = layout[rank, k], rank // 2
+            if e >= 0 and remote[node, e] and not fed[node, e]:
+                quota[rank, home_slots + k], fed[node, e] = share[node, e], True
+    loads = counts.sum(0)
+    for rank in range(4):
+        for h in range(home_slots):
+            e = slot_expert[rank, h]
+            quota[rank, h] = loads[e] - np.where(slot_expert[:, home_slots:] == e, quota[:, home_slots:], 0).sum()
+    plan = plan_from_quotas(counts, slot_expert, quota, 2, True, np)
+    check_plan(plan, counts, placement)
+    assert summarize(plan, counts, TOPO, DIMS, placement)["inter_bytes"] == pytest.approx(floor, rel=1e-12)
