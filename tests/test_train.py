@@ -3,6 +3,7 @@
 import dataclasses
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -108,3 +109,34 @@ def test_data_parallel_mesh(devices, tmp_path):
     assert trace.shape == (2, 2, 4, 16)
     # each expert-parallel group routes its own half of the batch: 8 sequences x 12 tokens x top-2
     assert (trace.sum((2, 3)) == 8 * 12 * 2).all()
+
+
+def test_model_is_created_on_its_shards(devices, tmp_path):
+    """Expert weights come out of initialisation split over ("node", "gpu") (each device holds E / R
+    experts, the same on both data-parallel replicas), the rest replicated, with the values an eager
+    construction gives up to float32 rounding of the fused initialiser."""
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    from jtopoep.layer import ExpertParam
+    from jtopoep.topology import EP_AXES, make_mesh
+    from models.moe_transformer import MoETransformer
+    from train.loop import create_sharded_model
+
+    config = dataclasses.replace(tiny(tmp_path, "init"),
+                                 topology=TopologyConfig(num_nodes=2, gpus_per_node=2, data_parallel=2))
+    topology = config.topology.to_topology()
+    mesh = make_mesh(topology, data=2)
+    model = create_sharded_model(config, topology, mesh)
+    eager = MoETransformer(config.model, config.moe, topology, mesh, rngs=nnx.Rngs(config.train.seed))
+    experts = jax.tree.leaves(nnx.state(model, ExpertParam))
+    assert len(experts) == 3 * config.model.num_moe_layers
+    for w in experts:
+        assert w.sharding.spec == P(EP_AXES)
+        shards = w.addressable_shards
+        assert len(shards) == 8 and all(s.data.shape[0] == 16 // 4 for s in shards)
+        assert len({s.index[0].start for s in shards}) == 4  # each slice of experts on both replicas
+    for w in jax.tree.leaves(nnx.state(model, nnx.Not(ExpertParam))):
+        assert w.sharding.is_fully_replicated
+    for got, want in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(eager))):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)

@@ -45,12 +45,27 @@ def make_optimizer(config: RunConfig) -> optax.GradientTransformation:
     return optax.chain(*parts, optax.adamw(schedule, weight_decay=t.weight_decay))
 
 
-def shard_model(model: nnx.Module, mesh) -> None:
-    """Expert weights split over ("node", "gpu") on their expert axis; everything else replicated."""
-    experts = nnx.state(model, ExpertParam)
-    rest = nnx.state(model, nnx.Not(ExpertParam))
-    nnx.update(model, jax.device_put(experts, NamedSharding(mesh, P(EP_AXES))))
-    nnx.update(model, jax.device_put(rest, NamedSharding(mesh, P())))
+def create_sharded_model(config: RunConfig, topology, mesh) -> MoETransformer:
+    """The model with every parameter created in place on its shards: expert weights split over
+    ("node", "gpu") on their expert axis, everything else replicated.
+
+    Initialisation runs as one jitted program whose outputs carry these shardings, so XLA creates
+    each device's shard where it lives (JAX's random bits are partitionable) and no device ever holds
+    a whole expert tensor. Building the model eagerly and then moving it would first put all of it on
+    one device: DeepSeek-V2-Lite's experts alone are 58 GB in float32, more than an H800 holds. In a
+    multi-host run every process computes just its own shards, where moving a host-local model onto
+    devices of other processes is not possible at all."""
+    experts = NamedSharding(mesh, P(EP_AXES))
+    replicated = NamedSharding(mesh, P())
+
+    @nnx.jit
+    def create():
+        model = MoETransformer(config.model, config.moe, topology, mesh, rngs=nnx.Rngs(config.train.seed))
+        nnx.update(model, jax.lax.with_sharding_constraint(nnx.state(model, ExpertParam), experts))
+        nnx.update(model, jax.lax.with_sharding_constraint(nnx.state(model, nnx.Not(ExpertParam)), replicated))
+        return model
+
+    return create()
 
 
 def replicate_unplaced(module: nnx.Module, mesh) -> None:
@@ -122,9 +137,7 @@ class Trainer:
         self.mesh = make_mesh(self.topology, data=config.topology.data_parallel)
         self.batch_sharding = NamedSharding(self.mesh, P(self.mesh.axis_names))
         self.data = ByteDataset(config.data, config.model.seq_len, config.model.vocab_size, config.train.seed)
-        self.model = MoETransformer(config.model, config.moe, self.topology, self.mesh,
-                                    rngs=nnx.Rngs(config.train.seed))
-        shard_model(self.model, self.mesh)
+        self.model = create_sharded_model(config, self.topology, self.mesh)
         self.optimizer = nnx.Optimizer(self.model, make_optimizer(config), wrt=nnx.Param)
         replicate_unplaced(self.optimizer, self.mesh)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", config.train.keep_checkpoints)
