@@ -140,3 +140,37 @@ def test_model_is_created_on_its_shards(devices, tmp_path):
         assert w.sharding.is_fully_replicated
     for got, want in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(eager))):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+
+
+def test_two_processes_train_like_one(devices, tmp_path):
+    """A multi-host run: `python -m train` in two processes of four CPU devices each (one node of the
+    2 x 4 mesh apiece, collectives over Gloo), against the same run in this one process. Same
+    losses, the log and trace written once, by process 0."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import yaml
+
+    from jtopoep.config import config_to_dict
+
+    config = tiny(tmp_path, "two")
+    (tmp_path / "two.yaml").write_text(yaml.safe_dump(config_to_dict(config)))
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each child emulates its own 4 devices
+    children = [subprocess.Popen([sys.executable, "-m", "train", "--config", str(tmp_path / "two.yaml"),
+                                  "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id",
+                                  str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for i in range(2)]
+    outputs = [child.communicate(timeout=600)[0] for child in children]
+    for child, out in zip(children, outputs):
+        assert child.returncode == 0, out[-3000:]
+    Trainer(tiny(tmp_path, "one")).run()
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5, abs=0)
+    two, one = load_recorded(tmp_path / "two" / "counts.npz"), load_recorded(tmp_path / "one" / "counts.npz")
+    assert two.shape == one.shape == (4, 2, 8, 16)
+    np.testing.assert_array_equal(two[0], one[0])
+    assert (tmp_path / "two" / "checkpoints").is_dir() and (tmp_path / "two" / "report.png").exists()

@@ -25,10 +25,15 @@ def main(argv=None) -> int:
         return 2
     import jax
 
+    processes = args.num_processes or 1
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        # Without accelerators, emulate the mesh's devices on the CPU (no effect on GPU/TPU backends).
-        jax.config.update("jax_num_cpu_devices", config.topology.num_devices)
+        # Without accelerators, emulate the mesh's devices on the CPU, each process its share (no
+        # effect on GPU/TPU backends).
+        jax.config.update("jax_num_cpu_devices", max(config.topology.num_devices // processes, 1))
     if args.coordinator:
+        # Collectives between CPU processes (emulated multi-host runs) go over Gloo; GPU and TPU
+        # backends use their own.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     try:
         config.check_devices(jax.device_count())

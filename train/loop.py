@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
@@ -88,8 +89,11 @@ def _losses(model, tokens, moe):
 
 
 @functools.lru_cache(maxsize=None)
-def make_train_step(moe: MoEConfig):
-    """The jitted step for one MoE config; cached so that trainers of the same model share compiles."""
+def make_train_step(moe: MoEConfig, mesh):
+    """The jitted step for one MoE config and mesh; cached so that trainers of the same model share
+    compiles. What it returns for the host is replicated over the mesh, so that every process of a
+    multi-host run can read it (an array with shards on other processes' devices cannot be fetched)."""
+    replicated = NamedSharding(mesh, P())
 
     @nnx.jit
     def train_step(model, optimizer, tokens):
@@ -106,16 +110,18 @@ def make_train_step(moe: MoEConfig):
             "inter_node_pairs": jnp.stack([s["inter_node_pairs"] for s in stats]),
             "counts": jnp.stack([s["counts"] for s in stats]),
         }
-        return summary
+        return jax.lax.with_sharding_constraint(summary, replicated)
 
     return train_step
 
 
 @functools.lru_cache(maxsize=None)
-def make_eval_step(moe: MoEConfig):
+def make_eval_step(moe: MoEConfig, mesh):
+    replicated = NamedSharding(mesh, P())
+
     @nnx.jit
     def eval_step(model, tokens):
-        return _losses(model, tokens, moe)[1][0]
+        return jax.lax.with_sharding_constraint(_losses(model, tokens, moe)[1][0], replicated)
 
     return eval_step
 
@@ -130,8 +136,13 @@ class Trainer:
     def __init__(self, config: RunConfig, fresh: bool = False):
         self.config = config
         self.run_dir = pathlib.Path(config.train.run_dir)
-        if fresh and self.run_dir.exists():
+        # In a multi-host run every process trains, Orbax writes checkpoints from all of them, and
+        # process 0 alone writes the run directory's logs, trace and report (a shared file system).
+        self.is_main = jax.process_index() == 0
+        if fresh and self.is_main and self.run_dir.exists():
             shutil.rmtree(self.run_dir)
+        if fresh:
+            multihost_utils.sync_global_devices("jtopoep: run directory cleared")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.topology = config.topology.to_topology()
         self.mesh = make_mesh(self.topology, data=config.topology.data_parallel)
@@ -141,8 +152,8 @@ class Trainer:
         self.optimizer = nnx.Optimizer(self.model, make_optimizer(config), wrt=nnx.Param)
         replicate_unplaced(self.optimizer, self.mesh)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", config.train.keep_checkpoints)
-        self.train_step = make_train_step(config.moe)
-        self.eval_step = make_eval_step(config.moe)
+        self.train_step = make_train_step(config.moe, self.mesh)
+        self.eval_step = make_eval_step(config.moe, self.mesh)
         self.hooks: list[Hook] = []
         self.counts: list[np.ndarray] = []  # [layers, R, E] per step, the routing trace
 
@@ -166,11 +177,12 @@ class Trainer:
         metrics_path = self.run_dir / "metrics.jsonl"
         trace_path = self.run_dir / "counts.npz"
         if step is None:
-            metrics_path.unlink(missing_ok=True)
-            trace_path.unlink(missing_ok=True)
+            if self.is_main:
+                metrics_path.unlink(missing_ok=True)
+                trace_path.unlink(missing_ok=True)
             return 0
         self.checkpointer.restore(step, self.model, self.optimizer)
-        if metrics_path.exists():  # drop what was logged after the checkpoint we resume from
+        if self.is_main and metrics_path.exists():  # drop what was logged after the checkpoint we resume from
             kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= step]
             metrics_path.write_text("".join(line + "\n" for line in kept))
         if trace_path.exists():
@@ -179,20 +191,23 @@ class Trainer:
         return step
 
     def _save_trace(self) -> None:
-        if self.counts:
+        if self.is_main and self.counts:
             np.savez_compressed(self.run_dir / "counts.npz", counts=np.stack(self.counts).astype(np.int32))
 
     def _log(self, row: dict) -> None:
+        if not self.is_main:
+            return
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
     def run(self) -> dict:
         t = self.config.train
-        (self.run_dir / "config.json").write_text(json.dumps(config_to_dict(self.config), indent=2))
+        if self.is_main:
+            (self.run_dir / "config.json").write_text(json.dumps(config_to_dict(self.config), indent=2))
         start = self._resume()
         tokens_per_step = t.batch_size * self.config.model.seq_len
         bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc=f"train [{self.config.moe.planner}]",
-                   disable=jax.process_index() != 0)
+                   disable=not self.is_main)
         last = None
         for step in bar:
             began = time.perf_counter()
@@ -222,6 +237,6 @@ class Trainer:
                 self._save_trace()
             last = row
         self.checkpointer.close()  # the last step always checkpoints and saves the trace
-        if jax.process_index() == 0 and (self.run_dir / "metrics.jsonl").exists():
+        if self.is_main and (self.run_dir / "metrics.jsonl").exists():
             write_report(self.run_dir, self.config.moe.planner)
         return last or {}
