@@ -68,7 +68,7 @@ class Deployment:
 
     @property
     def dims(self) -> ExpertDims:
-        return ExpertDims(self.model.d_model, self.model.expert_hidden // self.slices, self.model.param_bytes)
+        return ExpertDims(self.model.d_model, self.model.expert_hidden // self.slices, self.model.element_bytes)
 
     @property
     def padding(self) -> np.ndarray:

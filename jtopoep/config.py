@@ -25,6 +25,7 @@ CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 PLANNERS = ("none", "eplb", "topoep", "taot")
 TRANSPORTS = ("auto", "ragged", "dense")
 SCORE_FNS = ("softmax", "sigmoid")
+DTYPES = {"float32": 4, "bfloat16": 2}  # compute dtypes and their bytes per element
 DATA_SOURCES = ("stdlib", "path", "synthetic")
 
 
@@ -96,12 +97,14 @@ class ModelConfig:
     dense_hidden: int = 128  # hidden width of dense FFN layers
     shared_experts: int = 0  # always-on experts, each of width expert_hidden
     rope_theta: float = 10000.0
-    param_bytes: int = 2  # bytes per weight/activation element in the cluster cost model (bf16)
+    # Compute dtype of activations, of the token exchange and of guest-weight transfers; parameters
+    # and optimizer state stay float32. The cost model prices its bytes per element.
+    dtype: str = "float32"
 
     def __post_init__(self):
         _positive("model", self, "vocab_size", "seq_len", "d_model", "num_layers", "num_heads",
-                  "num_experts", "top_k", "expert_hidden", "moe_every", "dense_hidden", "rope_theta",
-                  "param_bytes")
+                  "num_experts", "top_k", "expert_hidden", "moe_every", "dense_hidden", "rope_theta")
+        _choice("model", self, "dtype", tuple(DTYPES))
         _non_negative("model", self, "first_dense_layers", "shared_experts")
         _require(self.top_k <= self.num_experts, "model.top_k", self.top_k,
                  f"at most model.num_experts = {self.num_experts}")
@@ -114,6 +117,11 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_dense_layers and (layer - self.first_dense_layers) % self.moe_every == 0
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one exchanged element (activation or expert weight) in the compute dtype."""
+        return DTYPES[self.dtype]
 
     @property
     def num_moe_layers(self) -> int:

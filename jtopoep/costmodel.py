@@ -37,7 +37,7 @@ class ExpertDims:
 
     @classmethod
     def from_model(cls, model) -> "ExpertDims":
-        return cls(model.d_model, model.expert_hidden, model.param_bytes)
+        return cls(model.d_model, model.expert_hidden, model.element_bytes)
 
     @property
     def pair_flops(self) -> float:

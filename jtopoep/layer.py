@@ -3,6 +3,12 @@
 Expert weights are sharded over the ("node", "gpu") mesh axes on their expert dimension; tokens are
 sharded over every mesh axis. The layer runs router and dispatch inside one shard_map, and returns
 its output with per-layer statistics, all device values (no host sync).
+
+Precision: the layer computes in its input's dtype. Expert weights (float32 parameters) are cast to it
+before the dispatch, so with bfloat16 activations the token exchange, the guest-weight transfers and
+their gradients all move bfloat16, as the cost model prices them. The router's logits, top-k and
+gates are computed in float32 whatever the input, so that expert choice does not hinge on bfloat16
+rounding.
 """
 
 from __future__ import annotations
@@ -43,14 +49,17 @@ def make_planner(moe: MoEConfig, topology: Topology, num_experts: int, dims: Exp
 
 class MoELayer(nnx.Module):
     def __init__(self, d_model: int, num_experts: int, top_k: int, expert_hidden: int, moe: MoEConfig,
-                 topology: Topology, mesh: Mesh, *, param_bytes: int = 2, rngs: nnx.Rngs):
+                 topology: Topology, mesh: Mesh, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        """dtype: the compute dtype the layer will see; it sets the bytes per element the planner's
+        cost model prices transfers with."""
         if num_experts % topology.num_ranks:
             raise ValueError(f"num_experts = {num_experts} must be a multiple of the {topology.num_ranks} ranks")
         self.moe = moe
         self.top_k = top_k
         self.topology = topology
         self.mesh = mesh
-        self.planner = make_planner(moe, topology, num_experts, ExpertDims(d_model, expert_hidden, param_bytes))
+        dims = ExpertDims(d_model, expert_hidden, jnp.dtype(dtype).itemsize)
+        self.planner = make_planner(moe, topology, num_experts, dims)
         init = nnx.initializers.normal(stddev=d_model ** -0.5)
         self.router = nnx.Param(init(rngs.params(), (d_model, num_experts)))
         self.w_gate = ExpertParam(init(rngs.params(), (num_experts, d_model, expert_hidden)))
@@ -72,7 +81,8 @@ class MoELayer(nnx.Module):
             b, length, d = x.shape
             tokens = x.reshape(b * length, d)
             with jax.named_scope("route"):
-                routed = route(tokens @ router, self.top_k, moe.score_fn, moe.normalize_topk, bias)
+                routed = route(tokens.astype(jnp.float32) @ router, self.top_k, moe.score_fn,
+                               moe.normalize_topk, bias)
             y, stats = moe_dispatch(tokens, routed.expert_ids, routed.gates.astype(x.dtype),
                                     ExpertWeights(w_gate, w_up, w_down), placement, self.planner,
                                     backend=moe.transport, hierarchical=moe.hierarchical)
@@ -92,8 +102,8 @@ class MoELayer(nnx.Module):
         fn = jax.shard_map(body, mesh=self.mesh,
                            in_specs=(token_spec, P(), expert_spec, expert_spec, expert_spec, P()),
                            out_specs=(token_spec, stats_spec, P(batch_axes)))
-        y, scalars, per_device = fn(x, self.router.get_value(), self.w_gate.get_value(), self.w_up.get_value(),
-                                    self.w_down.get_value(), bias)
+        w_gate, w_up, w_down = (w.get_value().astype(x.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        y, scalars, per_device = fn(x, self.router.get_value(), w_gate, w_up, w_down, bias)
         # Every rank of an expert-parallel group holds the same counts and plan: report the first group's.
         stats = {**scalars, **jax.tree.map(lambda a: a[0], per_device)}
         return y, stats

@@ -3,6 +3,9 @@
 Pre-norm blocks: RMSNorm -> causal rotary attention -> residual, RMSNorm -> FFN -> residual, where the
 FFN is an MoELayer on MoE layers (ModelConfig.is_moe_layer) plus optional always-on shared experts,
 and a dense SwiGLU elsewhere.
+
+Precision: parameters are float32; activations, matmuls and the MoE exchange run in
+ModelConfig.dtype. Norm statistics, attention softmax, router and loss are float32.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ class Attention(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         d, n = config.d_model, config.num_heads
         self.num_heads, self.theta = n, config.rope_theta
-        self.qkv = nnx.Linear(d, 3 * d, use_bias=False, rngs=rngs)
-        self.out = nnx.Linear(d, d, use_bias=False, rngs=rngs)
+        dtype = jnp.dtype(config.dtype)
+        self.qkv = nnx.Linear(d, 3 * d, use_bias=False, dtype=dtype, rngs=rngs)
+        self.out = nnx.Linear(d, d, use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: Float[Array, "B L D"]) -> Float[Array, "B L D"]:
         b, length, d = x.shape
@@ -41,15 +45,15 @@ class Attention(nnx.Module):
         q, k = rotary(q, self.theta), rotary(k, self.theta)
         scores = jnp.einsum("blnh,bmnh->bnlm", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
         causal = jnp.tril(jnp.ones((length, length), bool))
-        weights = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1)
+        weights = jax.nn.softmax(jnp.where(causal, scores.astype(jnp.float32), -1e30), axis=-1).astype(v.dtype)
         return self.out(jnp.einsum("bnlm,bmnh->blnh", weights, v).reshape(b, length, d))
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, d_model: int, hidden: int, *, rngs: nnx.Rngs):
-        self.gate = nnx.Linear(d_model, hidden, use_bias=False, rngs=rngs)
-        self.up = nnx.Linear(d_model, hidden, use_bias=False, rngs=rngs)
-        self.down = nnx.Linear(hidden, d_model, use_bias=False, rngs=rngs)
+    def __init__(self, d_model: int, hidden: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.gate = nnx.Linear(d_model, hidden, use_bias=False, dtype=dtype, rngs=rngs)
+        self.up = nnx.Linear(d_model, hidden, use_bias=False, dtype=dtype, rngs=rngs)
+        self.down = nnx.Linear(hidden, d_model, use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
@@ -58,17 +62,19 @@ class SwiGLU(nnx.Module):
 class Block(nnx.Module):
     def __init__(self, config: ModelConfig, moe: MoEConfig | None, topology: Topology, mesh: Mesh, *,
                  rngs: nnx.Rngs):
-        self.attn_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
+        dtype = jnp.dtype(config.dtype)
+        self.attn_norm = nnx.RMSNorm(config.d_model, dtype=dtype, rngs=rngs)
         self.attn = Attention(config, rngs=rngs)
-        self.ffn_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
+        self.ffn_norm = nnx.RMSNorm(config.d_model, dtype=dtype, rngs=rngs)
         if moe is None:
-            self.ffn, self.moe, self.shared = SwiGLU(config.d_model, config.dense_hidden, rngs=rngs), None, None
+            self.ffn = SwiGLU(config.d_model, config.dense_hidden, dtype=dtype, rngs=rngs)
+            self.moe, self.shared = None, None
         else:
             self.ffn = None
             self.moe = MoELayer(config.d_model, config.num_experts, config.top_k, config.expert_hidden, moe,
-                                topology, mesh, param_bytes=config.param_bytes, rngs=rngs)
-            self.shared = (SwiGLU(config.d_model, config.shared_experts * config.expert_hidden, rngs=rngs)
-                           if config.shared_experts else None)
+                                topology, mesh, dtype=dtype, rngs=rngs)
+            shared_hidden = config.shared_experts * config.expert_hidden
+            self.shared = SwiGLU(config.d_model, shared_hidden, dtype=dtype, rngs=rngs) if config.shared_experts else None
 
     def __call__(self, x):
         x = x + self.attn(self.attn_norm(x))
@@ -83,12 +89,13 @@ class Block(nnx.Module):
 
 class MoETransformer(nnx.Module):
     def __init__(self, config: ModelConfig, moe: MoEConfig, topology: Topology, mesh: Mesh, *, rngs: nnx.Rngs):
-        self.embed = nnx.Embed(config.vocab_size, config.d_model, rngs=rngs)
+        dtype = jnp.dtype(config.dtype)
+        self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=dtype, rngs=rngs)
         self.blocks = nnx.List([
             Block(config, moe if config.is_moe_layer(i) else None, topology, mesh, rngs=rngs)
             for i in range(config.num_layers)])
-        self.norm = nnx.RMSNorm(config.d_model, rngs=rngs)
-        self.head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False, rngs=rngs)
+        self.norm = nnx.RMSNorm(config.d_model, dtype=dtype, rngs=rngs)
+        self.head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens: Int[Array, "B L"]) -> tuple[Float[Array, "B L V"], list[dict]]:
         x = self.embed(tokens)

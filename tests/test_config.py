@@ -48,6 +48,7 @@ def test_presets_and_overrides(tmp_path):
     ("model.top_k=17", r"model\.top_k = 17 is not allowed: expected at most model\.num_experts = 16"),
     ("model.num_experts=12", r"model\.num_experts = 12 is not allowed: expected a multiple of .* = 8"),
     ("model.d_model=0", r"model\.d_model = 0 is not allowed: expected a value > 0"),
+    ("model.dtype=float16", r"model\.dtype = 'float16' is not allowed: expected one of \['float32', 'bfloat16'\]"),
     ("train.batch_size=12", r"train\.batch_size = 12 is not allowed: expected a multiple of the 8 devices"),
     ("train.learning_rate=true", r"train\.learning_rate = True has type bool: expected float"),
     ("topology.mfu=2.0", r"topology\.mfu = 2\.0 is not allowed: expected a value in \(0, 1\]"),

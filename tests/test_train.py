@@ -6,6 +6,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jtopoep.config import TopologyConfig, config_from_dict
 from jtopoep.traces import load_recorded
@@ -56,6 +57,18 @@ def test_balancing_does_not_change_the_loss(devices, tmp_path):
     with_topoep = Trainer(tiny(tmp_path, "topoep", planner="topoep", steps=3)).run()
     np.testing.assert_allclose(losses(tmp_path / "none"), losses(tmp_path / "topoep"), rtol=2e-5, atol=0)
     assert with_none["step"] == with_topoep["step"] == 3
+
+
+def test_bfloat16_training_tracks_float32(devices, tmp_path):
+    """model.dtype = bfloat16: activations, matmuls and the MoE exchange in bfloat16, parameters and
+    optimizer state float32. Its first losses are the float32 run's up to bfloat16 rounding."""
+    Trainer(tiny(tmp_path, "f32")).run()
+    config = tiny(tmp_path, "bf16")
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="bfloat16"))
+    trainer = Trainer(config)
+    trainer.run()
+    assert all(w.dtype == np.float32 for w in jax.tree.leaves(nnx.state(trainer.model, nnx.Param)))
+    assert losses(tmp_path / "bf16") == pytest.approx(losses(tmp_path / "f32"), rel=2e-2)
 
 
 def test_resume_matches_uninterrupted(devices, tmp_path):

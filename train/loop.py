@@ -40,10 +40,18 @@ class NonFiniteLossError(FloatingPointError):
 
 def make_optimizer(config: RunConfig) -> optax.GradientTransformation:
     t = config.train
-    schedule = optax.warmup_cosine_decay_schedule(0.0, t.learning_rate, t.warmup_steps, t.steps,
-                                                  end_value=t.learning_rate * 0.1)
-    parts = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
-    return optax.chain(*parts, optax.adamw(schedule, weight_decay=t.weight_decay))
+    return _adamw(t.learning_rate, t.warmup_steps, t.steps, t.grad_clip, t.weight_decay)
+
+
+@functools.lru_cache(maxsize=None)
+def _adamw(learning_rate: float, warmup_steps: int, steps: int, grad_clip: float,
+           weight_decay: float) -> optax.GradientTransformation:
+    """One transformation object per setting: it is part of the optimizer's static structure, so
+    trainers with equal settings share the jitted step's compiled code."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps, steps,
+                                                  end_value=learning_rate * 0.1)
+    parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
+    return optax.chain(*parts, optax.adamw(schedule, weight_decay=weight_decay))
 
 
 def create_sharded_model(config: RunConfig, topology, mesh) -> MoETransformer:
