@@ -5,8 +5,13 @@
 2. planner latency on the GPU (R = 32, E = 256, K = 2, jitted, median), beside the host eplb planner,
    and whether every loop of the compiled planners has a known trip count (else XLA:GPU reads its exit
    test on the host after every iteration: jtopoep/planners/loops.py);
-3. the dispatch benchmark with the `ragged` transport;
-4. a short training run of the tiny model with the `ragged` transport.
+3. the grouped GEMM's cost against its receive buffer: jax.lax.ragged_dot over the same real rows in
+   buffers of 1, 2 and R = 32 times those rows (XLA expands ragged_dot into a dense dot masked per
+   group unless a grouped-GEMM kernel takes it, so its time follows the buffer, not the rows; the
+   dispatch module bounds the buffer with recv_rows), and whether the compiled program kept a
+   ragged-dot or dense dots;
+4. the dispatch benchmark with the `ragged` transport;
+5. a short training run of the tiny model with the `ragged` transport.
 Writes DIR/gpu_check.json and prints a summary.
 """
 
@@ -87,13 +92,41 @@ def planner_latency(out: dict) -> None:
     print("planner loops (known trip count / all):", loops, flush=True)
 
 
+def grouped_gemm(out: dict, d: int = 2048, f: int = 1408, rows: int = 4096 * 6) -> None:
+    """Forward+backward of one SwiGLU-shaped ragged_dot (DeepSeek-V2-Lite expert: D 2048, F 1408,
+    bfloat16) over 4 slots holding 24576 real rows (4096 tokens x top-6), in buffers of 1, 2 and 32
+    times that many rows."""
+    import time
+
+    import jax.numpy as jnp
+
+    slots = 4
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(slots, d, f)) * 0.02, jnp.bfloat16)
+    sizes = jnp.asarray(np.full(slots, rows // slots), jnp.int32)
+    timings = {}
+    for factor in (1, 2, 32):
+        x = jnp.asarray(np.zeros((rows * factor, d)), jnp.bfloat16)
+        fn = jax.jit(jax.value_and_grad(lambda x, w: jax.lax.ragged_dot(x, w, sizes).astype(jnp.float32).sum(),
+                                        argnums=(0, 1)))
+        hlo = fn.lower(x, w).compile().as_text()
+        jax.block_until_ready(fn(x, w))
+        start = time.perf_counter()
+        for _ in range(5):
+            jax.block_until_ready(fn(x, w))
+        timings[f"buffer_x{factor}"] = {"ms": (time.perf_counter() - start) / 5 * 1e3,
+                                        "ragged_dot_kept": "ragged-dot" in hlo}
+        print(f"grouped GEMM, buffer {factor}x the rows: {timings[f'buffer_x{factor}']}", flush=True)
+    out["grouped_gemm"] = timings
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=pathlib.Path, required=True)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     out = {"devices": [d.device_kind for d in jax.devices()], "backend": jax.default_backend()}
-    for step in (check_ragged, planner_latency):
+    for step in (check_ragged, planner_latency, grouped_gemm):
         try:
             step(out)
         except Exception as err:  # record and go on: one failing check must not hide the others

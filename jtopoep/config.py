@@ -138,6 +138,10 @@ class MoEConfig:
     # benchmark's sweep) turns the test off: transfers mostly hide behind home GEMMs.
     min_gain: float = 0.0
     price_transfers: bool = True  # refuse copies exposing more transfer time than GEMM time they save
+    # Receive buffer of each rank, in multiples of its own pairs (T * k); the grouped GEMM runs over
+    # all of it. 0: R * T * k, room for every pair of every source, never cut. A step whose plan sends a
+    # rank more stops training with an error (jtopoep.dispatch).
+    recv_capacity_factor: float = 0.0
     sinkhorn_epsilon: float = 1.0  # taot only: entropic regularisation, in link-cost units
     sinkhorn_iters: int = 10  # taot only: fixed Sinkhorn iteration count
     taot_locality_weight: float = 2.0  # taot only: score weight of pairs a copy keeps off the slow link
@@ -156,6 +160,8 @@ class MoEConfig:
         _non_negative("moe", self, "guest_slots", "min_gain", "aux_loss_coef", "z_loss_coef",
                       "bias_update_rate", "taot_locality_weight", "taot_weight_cost")
         _positive("moe", self, "sinkhorn_epsilon", "sinkhorn_iters")
+        _require(self.recv_capacity_factor == 0 or self.recv_capacity_factor >= 1, "moe.recv_capacity_factor",
+                 self.recv_capacity_factor, "0 (room for every pair) or a value >= 1 (a rank's own pairs)")
         _require(not (self.planner == "none" and self.guest_slots), "moe.guest_slots", self.guest_slots,
                  "0 when moe.planner = 'none' (it never fills guest slots)")
 

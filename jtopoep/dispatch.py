@@ -12,6 +12,14 @@
     experts : SwiGLU over the S = H + K slots with jax.lax.ragged_dot, group sizes plan.route[:, me].sum(0)
     return  : the reverse exchange, unpermute, and the gate-weighted sum over the k choices
 
+Receive buffer: a rank receives at most R*T*k rows (every source sending it every pair), and the
+grouped GEMM runs over the whole buffer: XLA expands `ragged_dot` into a dense dot masked per group
+unless a grouped-GEMM kernel takes it over. `recv_rows` bounds the buffer. A plan that would send a
+rank more is cut to fit, in (source, slot) order, and the pairs that do not fit are not computed:
+`DispatchStats.dropped` counts them (the same on every rank), and the caller must refuse the step
+(the trainer stops with an error naming the layer and the knob). With recv_rows at least the plan's
+largest rank load nothing is cut, and the layer is exact.
+
 Everything is differentiable: the transpose of each exchange is the reverse exchange, so gradients of
 guest-slot weights travel back to the home rank and add into the home expert's gradient.
 Traffic per rank and layer (forward): T*k rows of D sent and received in total, plus 3*D*F weights per
@@ -41,16 +49,30 @@ class ExpertWeights(NamedTuple):
 
 class DispatchStats(NamedTuple):
     counts: Int[Array, "R E"]  # all-gathered routing counts of this layer
-    plan: Plan
+    plan: Plan  # the planner's plan, before any cut to the receive buffer
+    dropped: Int[Array, ""]  # pairs the receive buffers could not take (0: the layer is exact)
+
+
+def fit_route(route: Int[Array, "R R S"], recv_rows: int) -> Int[Array, "R R S"]:
+    """The route with each destination's rows cut to recv_rows, keeping them in (source, slot) order:
+    the order in which they land in its receive buffer."""
+    num_ranks, _, num_slots = route.shape
+    by_dest = route.transpose(1, 0, 2).reshape(num_ranks, num_ranks * num_slots)
+    kept = jnp.clip(recv_rows - exclusive_cumsum(by_dest, axis=1), 0, by_dest)
+    return kept.reshape(num_ranks, num_ranks, num_slots).transpose(1, 0, 2)
 
 
 def _my_rank(topology_gpus: int, axes=("node", "gpu")):
     return jax.lax.axis_index(axes[0]) * topology_gpus + jax.lax.axis_index(axes[1])
 
 
-def assign_slots(expert_ids: Int[Array, " A"], local_counts: Int[Array, " E"], plan: Plan, me) -> Int[Array, " A"]:
+def assign_slots(expert_ids: Int[Array, " A"], local_counts: Int[Array, " E"], plan: Plan, me,
+                 partial: bool = False) -> Int[Array, " A"]:
     """Flat destination slot d * S + j of each of this source's pairs, by the plan's rule: the pairs of
-    expert e, in order, fill the slots holding e in ascending (d, j) order."""
+    expert e, in order, fill the slots holding e in ascending (d, j) order.
+
+    partial: the route may send fewer pairs of an expert than this source has (fit_route cut it);
+    those left over, the last of the expert's pairs, get R * S, past every slot."""
     num_pairs = expert_ids.shape[0]
     num_experts = local_counts.shape[0]
     order = stable_order(expert_ids, num_experts)
@@ -62,9 +84,18 @@ def assign_slots(expert_ids: Int[Array, " A"], local_counts: Int[Array, " E"], p
     num_slots = slot_expert.shape[0]
     sent = jax.lax.dynamic_index_in_dim(plan.route, me, 0, keepdims=False).reshape(-1)  # [R*S]
     key = jnp.where(slot_expert >= 0, slot_expert, num_experts) * num_slots + jnp.arange(num_slots)
-    slot_order = stable_order(key, (num_experts + 1) * num_slots)
+    if partial:
+        # One more entry per expert after its slots, for the pairs its slots do not take.
+        key = key + jnp.where(slot_expert >= 0, slot_expert, num_experts)
+        taken = jnp.zeros(num_experts + 1, jnp.int32).at[jnp.where(slot_expert >= 0, slot_expert, num_experts)].add(sent)
+        experts = jnp.arange(num_experts, dtype=jnp.int32)
+        key = jnp.concatenate([key, experts * (num_slots + 1) + num_slots])
+        sent = jnp.concatenate([sent, local_counts - taken[:num_experts]])
+        slot_order = stable_order(key, (num_experts + 1) * (num_slots + 1))
+    else:
+        slot_order = stable_order(key, (num_experts + 1) * num_slots)
     slot_end = jnp.cumsum(sent[slot_order])
-    dest_sorted = slot_order[jnp.searchsorted(slot_end, line_sorted, side="right")]
+    dest_sorted = jnp.minimum(slot_order[jnp.searchsorted(slot_end, line_sorted, side="right")], num_slots)
     return jnp.zeros(num_pairs, jnp.int32).at[order].set(dest_sorted.astype(jnp.int32), unique_indices=True)
 
 
@@ -116,9 +147,12 @@ def _swiglu_slots(x, weights: ExpertWeights, group_sizes):
 
 def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: Float[Array, "T k"],
                  weights: ExpertWeights, placement: Int[Array, "R H"], planner: PlannerBase, *,
-                 backend: str = "auto", hierarchical: bool = False,
+                 backend: str = "auto", hierarchical: bool = False, recv_rows: int | None = None,
                  axes: tuple[str, str] = ("node", "gpu")) -> tuple[Float[Array, "T D"], DispatchStats]:
-    """The layer's expert computation for this rank's T tokens; call inside shard_map over `axes`."""
+    """The layer's expert computation for this rank's T tokens; call inside shard_map over `axes`.
+
+    recv_rows: rows of each rank's receive buffer, which the grouped GEMM runs over; default (and at
+    most) R * T * k, which always suffices. See the module docstring for what a smaller one does."""
     topology = planner.topology
     gpus = topology.gpus_per_node
     num_tokens, top_k = expert_ids.shape
@@ -137,17 +171,23 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
             plan = planner(counts, placement)
     home = placement.shape[1]
     num_slots = plan.slot_expert.shape[1]
+    worst = num_ranks * num_pairs  # every source sends all its pairs here
+    recv_rows = worst if recv_rows is None else recv_rows
+    if not 1 <= recv_rows <= worst:
+        raise ValueError(f"recv_rows = {recv_rows} must be in [1, R * T * k = {worst}]")
+    partial = recv_rows < worst
+    route = fit_route(plan.route, recv_rows) if partial else plan.route
+    dropped = plan.route.sum() - route.sum() if partial else jnp.zeros((), plan.route.dtype)
 
     with jax.named_scope("permute"):
-        dest = assign_slots(flat_ids, local_counts, plan, me)
-        send_order = stable_order(dest, num_ranks * num_slots)
+        dest = assign_slots(flat_ids, local_counts, Plan(plan.slot_expert, route), me, partial)
+        send_order = stable_order(dest, num_ranks * num_slots + int(partial))
         tokens = x[send_order // top_k]
-        sizes = plan.route.sum(2)  # [s, d]
+        sizes = route.sum(2)  # [s, d]
 
     with jax.named_scope("dispatch"):
-        recv_rows = num_ranks * num_pairs  # worst case: every source sends all its pairs here
         received = exchange(tokens, sizes, out_rows=recv_rows, **move)
-        my_route = jax.lax.dynamic_index_in_dim(plan.route, me, 1, keepdims=False)  # [s, S]
+        my_route = jax.lax.dynamic_index_in_dim(route, me, 1, keepdims=False)  # [s, S]
         by_slot = regroup(received, my_route)
         group_sizes = my_route.sum(0)
 
@@ -166,4 +206,4 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
         returned = exchange(back, sizes.T, out_rows=num_pairs, capacity=num_pairs, **move)
         per_pair = returned[inverse_permutation(send_order)].reshape(num_tokens, top_k, -1)
         y = jnp.einsum("tkd,tk->td", per_pair, gates.astype(per_pair.dtype))
-    return y, DispatchStats(counts, plan)
+    return y, DispatchStats(counts, plan, dropped)

@@ -13,6 +13,7 @@ rounding.
 
 from __future__ import annotations
 
+import math
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +69,13 @@ class MoELayer(nnx.Module):
             rngs.params(), (num_experts, expert_hidden, d_model)))
         self.bias = RouterBias(jnp.zeros(num_experts)) if moe.bias_balancing else None
 
+    def recv_rows(self, tokens_per_rank: int) -> int:
+        """Rows of each rank's receive buffer for T tokens per rank (moe.recv_capacity_factor)."""
+        pairs = tokens_per_rank * self.top_k
+        worst = self.topology.num_ranks * pairs
+        factor = self.moe.recv_capacity_factor
+        return worst if factor == 0 else min(worst, math.ceil(factor * pairs))
+
     def __call__(self, x: Float[Array, "B L D"]) -> tuple[Float[Array, "B L D"], dict]:
         batch_axes = tuple(a for a in self.mesh.axis_names)
         token_spec = P(batch_axes)
@@ -85,7 +93,8 @@ class MoELayer(nnx.Module):
                                moe.normalize_topk, bias)
             y, stats = moe_dispatch(tokens, routed.expert_ids, routed.gates.astype(x.dtype),
                                     ExpertWeights(w_gate, w_up, w_down), placement, self.planner,
-                                    backend=moe.transport, hierarchical=moe.hierarchical)
+                                    backend=moe.transport, hierarchical=moe.hierarchical,
+                                    recv_rows=self.recv_rows(tokens.shape[0]))
             scalars = {
                 "aux_loss": jax.lax.pmean(routed.aux_loss, batch_axes),
                 "z_loss": jax.lax.pmean(routed.z_loss, batch_axes),
@@ -95,6 +104,7 @@ class MoELayer(nnx.Module):
                 "imbalance_after": imbalance(stats.plan),
                 "inter_node_pairs": inter_node_pairs(stats.plan, self.topology.gpus_per_node),
                 "counts": stats.counts,
+                "dropped_pairs": stats.dropped,
             }
             return y.reshape(b, length, d), scalars, jax.tree.map(lambda a: a[None], per_device)
 

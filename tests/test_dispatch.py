@@ -41,15 +41,15 @@ def reference(x, ids, gates, w):
 
 
 @functools.lru_cache(maxsize=None)
-def layer(preset, planner_name, hierarchical):
+def layer(preset, planner_name, hierarchical, recv_rows=None):
     topo = Topology.preset(preset)
     planner = get_planner(planner_name, topology=topo, num_experts=E, guest_slots=0 if planner_name == "none" else 2)
     placement = contiguous_placement(R, E)
 
     def body(x, ids, gates, wg, wu, wd):
         y, stats = moe_dispatch(x, ids, gates, ExpertWeights(wg, wu, wd), placement, planner, backend="dense",
-                                hierarchical=hierarchical)
-        return y, jax.tree.map(lambda a: a[None], stats.plan)
+                                hierarchical=hierarchical, recv_rows=recv_rows)
+        return y, jax.tree.map(lambda a: a[None], (stats.plan, stats.dropped))
 
     fn = jax.shard_map(body, mesh=make_mesh(topo), in_specs=(SPEC,) * 6, out_specs=(SPEC, SPEC))
 
@@ -65,17 +65,23 @@ def ref_loss(x, gates, w, ids):
     return (jnp.sin(y) * y).sum()
 
 
-CASES = [("cpu-2x4", name, h) for name in ("none", "eplb", "topoep", "taot") for h in (False, True)]
-CASES += [("cpu-1x8", "topoep", False), ("cpu-4x2", "topoep", True), ("cpu-4x2", "taot", False)]
+# The last element of a case: rows of each receive buffer; None is room for every pair of every source
+# (R * T * k), 2 * T * K_TOP twice a rank's own pairs, which these balanced plans never exceed.
+CASES = [("cpu-2x4", name, h, None) for name in ("none", "eplb", "topoep", "taot") for h in (False, True)]
+CASES += [("cpu-1x8", "topoep", False, 2 * T * K_TOP), ("cpu-4x2", "topoep", True, 2 * T * K_TOP),
+          ("cpu-4x2", "taot", False, None)]
 
 
-@pytest.mark.parametrize("preset,planner_name,hierarchical", CASES)
-def test_layer_matches_dense_loop(devices, preset, planner_name, hierarchical):
+@pytest.mark.parametrize("preset,planner_name,hierarchical,recv_rows", CASES)
+def test_layer_matches_dense_loop(devices, preset, planner_name, hierarchical, recv_rows):
     x, ids, gates, w = make_inputs()
-    forward, grads = layer(preset, planner_name, hierarchical)
-    y, plans = forward(x, ids, gates, *w)
+    forward, grads = layer(preset, planner_name, hierarchical, recv_rows)
+    y, (plans, dropped) = forward(x, ids, gates, *w)
+    assert (np.asarray(dropped) == 0).all()
     np.testing.assert_allclose(np.asarray(y), np.asarray(reference(x, ids, gates, w)), atol=ATOL, rtol=0)
     plan = jax.tree.map(lambda a: np.asarray(a)[0], plans)
+    if recv_rows is not None:
+        assert plan.route.sum((0, 2)).max() <= recv_rows
     counts = np.zeros((R, E), np.int32)
     for t in range(R * T):
         for e in ids[t]:
@@ -168,3 +174,40 @@ def test_bfloat16_layer_moves_bfloat16_and_routes_like_float32(devices):
     exchanges = [line.split("->")[-1] for line in hlo.splitlines() if "all_to_all" in line and "->" in line]
     assert any("bf16>" in types for types in exchanges), exchanges  # tokens and guest weights
     assert not any("f32>" in types for types in exchanges), exchanges
+
+
+def test_receive_buffer_too_small_cuts_the_last_pairs_and_counts_them(devices):
+    """recv_rows below a rank's planned load (here the `none` plan of two hot experts): each
+    destination keeps its first recv_rows rows in (source, slot) order; a source's pairs of an
+    expert fill that expert's slots in order, so the pairs cut are the last ones of each expert.
+    They contribute nothing, every other pair exactly what the dense loop gives, and `dropped`
+    counts them on every rank."""
+    recv_rows = T * K_TOP  # a rank's own pairs; the hot experts' homes get more
+    x, ids, gates, w = make_inputs()
+    forward, _ = layer("cpu-2x4", "none", False, recv_rows)
+    y, (plans, dropped) = forward(x, ids, gates, *w)
+    route = np.asarray(plans.route)[0]  # [s, d, S]
+    slot_expert = np.asarray(plans.slot_expert)[0]
+    num_slots = slot_expert.shape[1]
+    # What each destination keeps, in (source, slot) order.
+    kept = np.zeros_like(route)
+    for d in range(R):
+        room = recv_rows
+        for s in range(R):
+            for j in range(num_slots):
+                kept[s, d, j] = min(route[s, d, j], room)
+                room -= kept[s, d, j]
+    expected_dropped = route.sum() - kept.sum()
+    assert expected_dropped > 0, "the test load must overflow some receive buffer"
+    np.testing.assert_array_equal(np.asarray(dropped), expected_dropped)
+    # Which pairs those are: each source's last pairs of an expert beyond what its slots keep.
+    live = np.ones((R * T, K_TOP), bool)
+    for s in range(R):
+        for e in range(E):
+            pairs = [(t, j) for t in range(s * T, (s + 1) * T) for j in range(K_TOP) if ids[t, j] == e]
+            keep = sum(kept[s, d, j] for d in range(R) for j in range(num_slots) if slot_expert[d, j] == e)
+            for t, j in pairs[keep:]:
+                live[t, j] = False
+    assert (~live).sum() == expected_dropped
+    want = reference(x, ids, np.where(live, gates, 0.0), w)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), atol=ATOL, rtol=0)

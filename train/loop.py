@@ -38,6 +38,10 @@ class NonFiniteLossError(FloatingPointError):
     pass
 
 
+class ReceiveCapacityError(RuntimeError):
+    """A plan sent some rank more pairs than its receive buffer holds (moe.recv_capacity_factor)."""
+
+
 def make_optimizer(config: RunConfig) -> optax.GradientTransformation:
     t = config.train
     return _adamw(t.learning_rate, t.warmup_steps, t.steps, t.grad_clip, t.weight_decay)
@@ -117,6 +121,7 @@ def make_train_step(moe: MoEConfig, mesh):
             "imbalance_after": jnp.stack([s["imbalance_after"] for s in stats]),
             "inter_node_pairs": jnp.stack([s["inter_node_pairs"] for s in stats]),
             "counts": jnp.stack([s["counts"] for s in stats]),
+            "dropped_pairs": jnp.stack([s["dropped_pairs"] for s in stats]),
         }
         return jax.lax.with_sharding_constraint(summary, replicated)
 
@@ -129,7 +134,9 @@ def make_eval_step(moe: MoEConfig, mesh):
 
     @nnx.jit
     def eval_step(model, tokens):
-        return jax.lax.with_sharding_constraint(_losses(model, tokens, moe)[1][0], replicated)
+        _, (ce, stats) = _losses(model, tokens, moe)
+        dropped = sum(s["dropped_pairs"] for s in stats)
+        return jax.lax.with_sharding_constraint((ce, dropped), replicated)
 
     return eval_step
 
@@ -177,8 +184,13 @@ class Trainer:
         return jax.make_array_from_callback(batch.shape, self.batch_sharding, lambda index: batch[index])
 
     def evaluate(self) -> float:
-        losses = [self.eval_step(self.model, self._device_batch(i, "eval")) for i in range(self.config.train.eval_batches)]
-        return float(np.mean(jax.device_get(losses)))
+        results = jax.device_get([self.eval_step(self.model, self._device_batch(i, "eval"))
+                                  for i in range(self.config.train.eval_batches)])
+        if any(dropped for _, dropped in results):
+            raise ReceiveCapacityError(f"evaluation: a plan sent some rank more pairs than its receive buffer holds "
+                                       f"(moe.recv_capacity_factor = {self.config.moe.recv_capacity_factor}); "
+                                       f"raise it, or set it to 0 for room for every pair")
+        return float(np.mean([ce for ce, _ in results]))
 
     def _resume(self) -> int:
         step = self.checkpointer.latest_step()
@@ -226,6 +238,16 @@ class Trainer:
                 # Stop before anything is saved: the last checkpoint stays the last good state.
                 raise NonFiniteLossError(f"non-finite loss {summary['loss']} at step {done}; last good checkpoint: "
                                          f"step {self.checkpointer.latest_step()}")
+            dropped = np.asarray(summary["dropped_pairs"])
+            if dropped.any():
+                # Pairs that did not fit a receive buffer were not computed: refuse the step, as for a
+                # non-finite loss, before anything is saved.
+                layer = int(np.flatnonzero(dropped)[0])
+                raise ReceiveCapacityError(
+                    f"step {done}: MoE layer {layer} planned more pairs for some rank than its receive buffer "
+                    f"holds ({int(dropped[layer])} pairs did not fit; moe.recv_capacity_factor = "
+                    f"{self.config.moe.recv_capacity_factor}); raise moe.recv_capacity_factor, or set it to 0 "
+                    f"for room for every pair; last good checkpoint: step {self.checkpointer.latest_step()}")
             self.counts.append(np.asarray(summary["counts"]))
             row = {"step": done, "loss": float(summary["loss"]), "ce": float(summary["ce"]),
                    "tokens_per_s": tokens_per_step / seconds, "step_s": seconds,
