@@ -67,7 +67,10 @@ def ref_loss(x, gates, w, ids):
 
 # The last element of a case: rows of each receive buffer; None is room for every pair of every source
 # (R * T * k), 2 * T * K_TOP twice a rank's own pairs, which these balanced plans never exceed.
-CASES = [("cpu-2x4", name, h, None) for name in ("none", "eplb", "topoep", "taot") for h in (False, True)]
+# Planners differ only in the plan they hand the dispatch; the transport paths (flat, hierarchical,
+# each mesh shape, bounded buffers) are what the cases span.
+CASES = [("cpu-2x4", name, h, None) for name in ("none", "topoep") for h in (False, True)]
+CASES += [("cpu-2x4", "eplb", False, None), ("cpu-2x4", "taot", True, None)]
 CASES += [("cpu-1x8", "topoep", False, 2 * T * K_TOP), ("cpu-4x2", "topoep", True, 2 * T * K_TOP),
           ("cpu-4x2", "taot", False, None)]
 
@@ -168,6 +171,7 @@ def test_bfloat16_layer_moves_bfloat16_and_routes_like_float32(devices):
     np.testing.assert_allclose(np.asarray(y16, np.float32), np.asarray(y32), rtol=0,
                                atol=0.05 * float(jnp.abs(y32).max()))
     assert (np.asarray(stats16["counts"]) > 0).any()
+    assert int(stats16["dropped_pairs"]) == 0 and layer_.recv_rows(T) == R * T * K_TOP  # room for every pair
     # The program as lowered, before XLA:CPU's float normalisation widens bfloat16 collectives it
     # does not implement (GPU backends keep them).
     hlo = jax.jit(lambda x: nnx.merge(*nnx.split(layer_))(x)).lower(x).as_text()

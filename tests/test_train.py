@@ -100,14 +100,24 @@ def test_non_finite_loss_fails_fast(devices, tmp_path):
 
 
 def test_receive_buffer_overflow_stops_the_run(devices, tmp_path):
-    """With receive buffers of one rank's own pairs, the `none` plan sends the homes of hot experts
-    more: the first step stops with an error naming the layer and the knob, before any checkpoint."""
-    config = tiny(tmp_path, "cap", planner="none", moe={"recv_capacity_factor": 1.0})
-    trainer = Trainer(config)
-    with pytest.raises(ReceiveCapacityError, match=r"step 1: MoE layer \d .*moe\.recv_capacity_factor = 1\.0"):
+    """A step whose plan overflowed a receive buffer (jtopoep.dispatch counts the pairs cut; the
+    dispatch tests cover that count) stops the run with an error naming the layer and the knob,
+    before anything of that step is saved. Poisoned like the non-finite test, to reuse its compile."""
+    trainer = Trainer(tiny(tmp_path, "cap"))
+    step_fn = trainer.train_step
+    calls = []
+
+    def overflowing(model, optimizer, tokens):
+        out = step_fn(model, optimizer, tokens)
+        calls.append(1)
+        return {**out, "dropped_pairs": out["dropped_pairs"].at[1].set(7)} if len(calls) == 3 else out
+
+    trainer.train_step = overflowing
+    with pytest.raises(ReceiveCapacityError, match=r"step 3: MoE layer 1 .*\(7 pairs did not fit; "
+                                                   r"moe\.recv_capacity_factor = 0\.0\).*last good checkpoint: step 2"):
         trainer.run()
     trainer.checkpointer.close()
-    assert trainer.checkpointer.latest_step() is None
+    assert Trainer(tiny(tmp_path, "cap")).checkpointer.latest_step() == 2
 
 
 def cross_entropies(run_dir):
