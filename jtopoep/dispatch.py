@@ -83,17 +83,19 @@ def assign_slots(expert_ids: Int[Array, " A"], local_counts: Int[Array, " E"], p
     slot_expert = plan.slot_expert.reshape(-1)
     num_slots = slot_expert.shape[0]
     sent = jax.lax.dynamic_index_in_dim(plan.route, me, 0, keepdims=False).reshape(-1)  # [R*S]
-    key = jnp.where(slot_expert >= 0, slot_expert, num_experts) * num_slots + jnp.arange(num_slots)
+    holder = jnp.where(slot_expert >= 0, slot_expert, num_experts)  # expert of each slot, E if empty
     if partial:
-        # One more entry per expert after its slots, for the pairs its slots do not take.
-        key = key + jnp.where(slot_expert >= 0, slot_expert, num_experts)
-        taken = jnp.zeros(num_experts + 1, jnp.int32).at[jnp.where(slot_expert >= 0, slot_expert, num_experts)].add(sent)
+        # Keys e * (R*S + 1) + slot leave one more entry after each expert's slots: the pairs they do
+        # not take, sent nowhere.
+        stride = num_slots + 1
+        taken = jnp.zeros(num_experts + 1, jnp.int32).at[holder].add(sent)
         experts = jnp.arange(num_experts, dtype=jnp.int32)
-        key = jnp.concatenate([key, experts * (num_slots + 1) + num_slots])
+        key = jnp.concatenate([holder * stride + jnp.arange(num_slots), experts * stride + num_slots])
         sent = jnp.concatenate([sent, local_counts - taken[:num_experts]])
-        slot_order = stable_order(key, (num_experts + 1) * (num_slots + 1))
     else:
-        slot_order = stable_order(key, (num_experts + 1) * num_slots)
+        stride = num_slots
+        key = holder * stride + jnp.arange(num_slots)
+    slot_order = stable_order(key, (num_experts + 1) * stride)
     slot_end = jnp.cumsum(sent[slot_order])
     dest_sorted = jnp.minimum(slot_order[jnp.searchsorted(slot_end, line_sorted, side="right")], num_slots)
     return jnp.zeros(num_pairs, jnp.int32).at[order].set(dest_sorted.astype(jnp.int32), unique_indices=True)

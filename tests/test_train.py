@@ -80,19 +80,23 @@ def test_resume_matches_uninterrupted(devices, tmp_path):
     assert load_recorded(tmp_path / "killed" / "counts.npz").shape[0] == 4
 
 
-def test_non_finite_loss_fails_fast(devices, tmp_path):
-    trainer = Trainer(tiny(tmp_path, "nan"))
+def poison_step(trainer, at_call: int, change) -> None:
+    """Make the trainer's `at_call`-th step return change(its summary): a failure injected on the
+    host, so the test reuses the step already compiled for these settings."""
     step_fn = trainer.train_step
     calls = []
 
     def poisoned(model, optimizer, tokens):
         out = step_fn(model, optimizer, tokens)
         calls.append(1)
-        if len(calls) == 3:
-            out = {**out, "loss": np.float32("nan")}
-        return out
+        return change(out) if len(calls) == at_call else out
 
     trainer.train_step = poisoned
+
+
+def test_non_finite_loss_fails_fast(devices, tmp_path):
+    trainer = Trainer(tiny(tmp_path, "nan"))
+    poison_step(trainer, 3, lambda out: {**out, "loss": np.float32("nan")})
     with pytest.raises(NonFiniteLossError, match="non-finite loss nan at step 3; last good checkpoint: step 2"):
         trainer.run()
     trainer.checkpointer.close()
@@ -102,17 +106,9 @@ def test_non_finite_loss_fails_fast(devices, tmp_path):
 def test_receive_buffer_overflow_stops_the_run(devices, tmp_path):
     """A step whose plan overflowed a receive buffer (jtopoep.dispatch counts the pairs cut; the
     dispatch tests cover that count) stops the run with an error naming the layer and the knob,
-    before anything of that step is saved. Poisoned like the non-finite test, to reuse its compile."""
+    before anything of that step is saved."""
     trainer = Trainer(tiny(tmp_path, "cap"))
-    step_fn = trainer.train_step
-    calls = []
-
-    def overflowing(model, optimizer, tokens):
-        out = step_fn(model, optimizer, tokens)
-        calls.append(1)
-        return {**out, "dropped_pairs": out["dropped_pairs"].at[1].set(7)} if len(calls) == 3 else out
-
-    trainer.train_step = overflowing
+    poison_step(trainer, 3, lambda out: {**out, "dropped_pairs": out["dropped_pairs"].at[1].set(7)})
     with pytest.raises(ReceiveCapacityError, match=r"step 3: MoE layer 1 .*\(7 pairs did not fit; "
                                                    r"moe\.recv_capacity_factor = 0\.0\).*last good checkpoint: step 2"):
         trainer.run()
