@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import pathlib
 import statistics
@@ -43,7 +42,7 @@ def main(argv=None) -> dict:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jtopoep.dispatch import ExpertWeights, moe_dispatch
+    from jtopoep.dispatch import ExpertWeights, moe_dispatch, receive_rows
     from jtopoep.plan import contiguous_placement
     from jtopoep.planners import get_planner
     from jtopoep.topology import Topology, make_mesh
@@ -69,7 +68,7 @@ def main(argv=None) -> dict:
                 for n in ("none", "eplb", "topoep", "taot")]
     for factor, hierarchical, name in settings:
         planner = get_planner(name, topology=topology, num_experts=experts, guest_slots=0 if name == "none" else 2)
-        recv_rows = None if factor == 0 else min(ranks * args.tokens * top_k, math.ceil(factor * args.tokens * top_k))
+        recv_rows = receive_rows(factor, args.tokens * top_k, ranks)
 
         def body(x, ids, gates, wg, wu, wd, planner=planner, hierarchical=hierarchical, recv_rows=recv_rows):
             y, stats = moe_dispatch(x, ids, gates, ExpertWeights(wg, wu, wd), placement, planner, backend=backend,
@@ -89,7 +88,7 @@ def main(argv=None) -> dict:
             jax.block_until_ready(compiled(*args_dev))
             times.append(time.perf_counter() - start)
         rows[(factor, hierarchical, name)] = {"compile_s": compile_s, "step_s": statistics.median(times),
-                                              "recv_rows": recv_rows or ranks * args.tokens * top_k,
+                                              "recv_rows": recv_rows,
                                               "dropped_pairs": dropped}
         print(f"recv factor {factor} hierarchical={hierarchical} {name}: compile {compile_s:.1f} s, "
               f"step {1e3 * statistics.median(times):.1f} ms, dropped {dropped}", flush=True)

@@ -28,6 +28,7 @@ guest slot received; the backward pass moves the same again in the opposite dire
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -60,6 +61,13 @@ def fit_route(route: Int[Array, "R R S"], recv_rows: int) -> Int[Array, "R R S"]
     by_dest = route.transpose(1, 0, 2).reshape(num_ranks, num_ranks * num_slots)
     kept = jnp.clip(recv_rows - exclusive_cumsum(by_dest, axis=1), 0, by_dest)
     return kept.reshape(num_ranks, num_ranks, num_slots).transpose(1, 0, 2)
+
+
+def receive_rows(capacity_factor: float, pairs_per_rank: int, num_ranks: int) -> int:
+    """Rows of each rank's receive buffer: capacity_factor x its own pairs (T * k), at most R * T * k,
+    the most any rank can receive; factor 0 is that most (MoEConfig.recv_capacity_factor)."""
+    worst = num_ranks * pairs_per_rank
+    return worst if capacity_factor == 0 else min(worst, math.ceil(capacity_factor * pairs_per_rank))
 
 
 def _my_rank(topology_gpus: int, axes=("node", "gpu")):

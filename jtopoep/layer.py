@@ -13,8 +13,6 @@ rounding.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -23,7 +21,7 @@ from jaxtyping import Array, Float
 
 from jtopoep.config import MoEConfig
 from jtopoep.costmodel import ExpertDims
-from jtopoep.dispatch import ExpertWeights, moe_dispatch
+from jtopoep.dispatch import ExpertWeights, moe_dispatch, receive_rows
 from jtopoep.metrics import counts_imbalance, imbalance, inter_node_pairs
 from jtopoep.plan import contiguous_placement
 from jtopoep.planners import get_planner
@@ -71,10 +69,7 @@ class MoELayer(nnx.Module):
 
     def recv_rows(self, tokens_per_rank: int) -> int:
         """Rows of each rank's receive buffer for T tokens per rank (moe.recv_capacity_factor)."""
-        pairs = tokens_per_rank * self.top_k
-        worst = self.topology.num_ranks * pairs
-        factor = self.moe.recv_capacity_factor
-        return worst if factor == 0 else min(worst, math.ceil(factor * pairs))
+        return receive_rows(self.moe.recv_capacity_factor, tokens_per_rank * self.top_k, self.topology.num_ranks)
 
     def __call__(self, x: Float[Array, "B L D"]) -> tuple[Float[Array, "B L D"], dict]:
         batch_axes = tuple(a for a in self.mesh.axis_names)
