@@ -37,6 +37,9 @@ def main(argv=None) -> dict:
     ranks = args.nodes * args.gpus
     if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ranks}").strip()
+    from jtopoep import xla_cpu
+
+    xla_cpu.configure()  # as the trainer does
 
     import jax
     import numpy as np

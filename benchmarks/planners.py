@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -25,6 +26,7 @@ from benchmarks.loads import all_families, synthetic_families
 from jtopoep.costmodel import ExpertDims, layer_time
 from jtopoep.metrics import inter_bytes_floor, summarize
 from jtopoep.planners import eplb_host, get_planner
+from jtopoep import xla_cpu
 from jtopoep.topology import Topology
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -91,11 +93,26 @@ def set_cpu_dispatch(asynchronous: bool) -> None:
     jax.config.update("jax_cpu_enable_async_dispatch", asynchronous)
 
 
-def latency_in_child(asynchronous: bool, rounds: int) -> dict:
-    """latency() in a fresh process with the other dispatch mode (it cannot change in this one)."""
-    flags = ["--latency-only", f"--rounds={rounds}"] + (["--async-dispatch"] if asynchronous else [])
-    out = subprocess.run([sys.executable, "-m", "benchmarks.planners", *flags], check=True,
-                         capture_output=True, text=True, cwd=pathlib.Path(__file__).resolve().parents[1])
+# The other process configurations latency() runs in, each a child process: JAX's default
+# asynchronous dispatch; XLA's default small-loop limit (each loop iteration a graph of kernels, see
+# jtopoep.xla_cpu); and the benchmark's own configuration with every thread on one core.
+CHILD_MODES = {
+    "async_dispatch": "JAX's default asynchronous CPU dispatch",
+    "xla_default_loops": "XLA's default small-loop limit (jtopoep.xla_cpu not configured)",
+    "one_core": "every thread of the process on one core (sched_setaffinity)",
+}
+
+
+def latency_in_child(mode: str, rounds: int, xla_flags: str) -> dict:
+    """latency() in a fresh process in another configuration (CHILD_MODES): neither JAX's dispatch
+    mode nor XLA's flags can change once a process has started JAX. `xla_flags` is XLA_FLAGS as this
+    process found it, before jtopoep.xla_cpu.configure()."""
+    flags = ["--latency-only", f"--rounds={rounds}"]
+    flags += {"async_dispatch": ["--async-dispatch"], "xla_default_loops": ["--xla-default-loops"]}.get(mode, [])
+    one_core = (lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})) if mode == "one_core" else None
+    out = subprocess.run([sys.executable, "-m", "benchmarks.planners", *flags], check=True, capture_output=True,
+                         text=True, cwd=pathlib.Path(__file__).resolve().parents[1],
+                         env={**os.environ, "XLA_FLAGS": xla_flags}, preexec_fn=one_core)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -227,12 +244,18 @@ def markdown(results: dict) -> str:
                  + ", ".join(f"{k} {v:.0f} us" for k, v in lat.items())
                  + f"; eplb_host / topoep = {results['eplb_host_over_topoep']:.1f}x (median of the per-round ratios).")
     lines.append("Fastest round: " + ", ".join(f"{k} {v:.0f} us" for k, v in results["latency_min_us"].items()) + ".")
-    if "latency_async" in results:
-        other = results["latency_async"]
-        lines.append("These calls run inline on the caller's thread (jax_cpu_enable_async_dispatch=False, set by the "
-                     "benchmark). With JAX's default asynchronous CPU dispatch, in a second process: median "
-                     + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in other["median_s"].items())
-                     + f"; eplb_host / topoep = {other['eplb_host_over_topoep']:.1f}x.")
+    lines.append("Calls run inline on the caller's thread (jax_cpu_enable_async_dispatch=False) and XLA:CPU compiles "
+                 "the planners' loops into single kernels (jtopoep.xla_cpu.configure()), both set by the benchmark. "
+                 "The same measurement in other configurations, each in its own process (medians):")
+    lines.append("")
+    names = list(lat)
+    lines.append("| configuration | " + " | ".join(f"{k} us" for k in names) + " | eplb_host / topoep |")
+    lines.append("|---|" + "---|" * (len(names) + 1))
+    lines.append("| this benchmark's | " + " | ".join(f"{lat[k]:.0f}" for k in names)
+                 + f" | {results['eplb_host_over_topoep']:.1f}x |")
+    for mode, child in results.get("latency_children", {}).items():
+        lines.append(f"| {CHILD_MODES[mode]} | " + " | ".join(f"{child['median_s'][k] * 1e6:.0f}" for k in names)
+                     + f" | {child['eplb_host_over_topoep']:.1f}x |")
     lines.append("")
     for setting, rows in results["settings"].items():
         lines.append(f"### {setting}")
@@ -289,9 +312,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--async-dispatch", action="store_true",
                         help="time with JAX's default asynchronous CPU dispatch (see set_cpu_dispatch)")
+    parser.add_argument("--xla-default-loops", action="store_true",
+                        help="leave XLA's small-loop limit at its default (see jtopoep.xla_cpu)")
     parser.add_argument("--latency-only", action="store_true", help="print latency() as JSON and stop")
     parser.add_argument("--rounds", type=int, default=None, help="latency rounds (default 200, 8 with --quick)")
     args = parser.parse_args(argv)
+    inherited_flags = os.environ.get("XLA_FLAGS", "")
+    if not args.xla_default_loops:
+        xla_cpu.configure()
     set_cpu_dispatch(args.async_dispatch)
     topology = Topology.preset("h800-4x8")
     rounds = args.rounds or (8 if args.quick else 200)
@@ -301,14 +329,13 @@ def main(argv=None) -> dict:
         return lat
     results = {"topology": "h800-4x8", "dims": DIMS.__dict__, "tokens_per_rank": TOKENS_PER_RANK,
                "min_gain": args.min_gain, "device": jax.devices()[0].device_kind,
-               "async_dispatch": args.async_dispatch, "settings": {}}
+               "settings": {}}
     lat = zipf_latency(topology, args.min_gain, rounds, args.quick)
     results["latency_us"] = {k: v * 1e6 for k, v in lat["median_s"].items()}
     results["latency_min_us"] = {k: v * 1e6 for k, v in lat["min_s"].items()}
     results["latency_method"] = {k: lat[k] for k in ("rounds", "batch")}
     results["eplb_host_over_topoep"] = lat["eplb_host_over_topoep"]
-    if not args.async_dispatch:
-        results["latency_async"] = latency_in_child(True, rounds)
+    results["latency_children"] = {mode: latency_in_child(mode, rounds, inherited_flags) for mode in CHILD_MODES}
     for num_experts in (256, 64):
         families = all_families(topology.num_ranks, num_experts, TOKENS_PER_RANK, args.quick)
         if num_experts == 256 and not args.quick:

@@ -10,6 +10,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
+from jtopoep import xla_cpu  # noqa: E402
+
+xla_cpu.configure()  # as the trainer and the benchmarks do
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 import pytest  # noqa: E402
