@@ -108,11 +108,10 @@ def latency_in_child(mode: str, rounds: int, xla_flags: str) -> dict:
     mode nor XLA's flags can change once a process has started JAX. `xla_flags` is XLA_FLAGS as this
     process found it, before jtopoep.xla_cpu.configure()."""
     flags = ["--latency-only", f"--rounds={rounds}"]
-    flags += {"async_dispatch": ["--async-dispatch"], "xla_default_loops": ["--xla-default-loops"]}.get(mode, [])
-    one_core = (lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})) if mode == "one_core" else None
+    flags.append("--" + mode.replace("_", "-"))
     out = subprocess.run([sys.executable, "-m", "benchmarks.planners", *flags], check=True, capture_output=True,
                          text=True, cwd=pathlib.Path(__file__).resolve().parents[1],
-                         env={**os.environ, "XLA_FLAGS": xla_flags}, preexec_fn=one_core)
+                         env={**os.environ, "XLA_FLAGS": xla_flags})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -314,9 +313,15 @@ def main(argv=None) -> dict:
                         help="time with JAX's default asynchronous CPU dispatch (see set_cpu_dispatch)")
     parser.add_argument("--xla-default-loops", action="store_true",
                         help="leave XLA's small-loop limit at its default (see jtopoep.xla_cpu)")
+    parser.add_argument("--one-core", action="store_true",
+                        help="run every thread of this process on one core (set before JAX starts its threads)")
     parser.add_argument("--latency-only", action="store_true", help="print latency() as JSON and stop")
     parser.add_argument("--rounds", type=int, default=None, help="latency rounds (default 200, 8 with --quick)")
     args = parser.parse_args(argv)
+    if args.one_core:  # the threads there are now; those JAX starts later inherit it
+        core = {min(os.sched_getaffinity(0))}
+        for thread in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(thread), core)
     inherited_flags = os.environ.get("XLA_FLAGS", "")
     if not args.xla_default_loops:
         xla_cpu.configure()

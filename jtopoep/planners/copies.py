@@ -22,7 +22,8 @@ class CopyState(NamedTuple):
 
     Per-rank integers live in one [R, 2 + 2K] array (room, slots used, K guest ids, K quotas) and the
     transfer clock in one [3, R] array: each step then updates them with one kernel each, where
-    separate arrays cost a kernel apiece (XLA:CPU runs a loop body kernel by kernel)."""
+    separate arrays cost a kernel apiece (XLA:GPU runs a loop body kernel by kernel, and so does
+    XLA:CPU unless jtopoep.xla_cpu lets it compile the whole loop as one)."""
     step: jnp.ndarray  # i32 scalar; set to the loop bound to stop early
     spill: jnp.ndarray  # [C] pairs each candidate still has to shed
     ranks: jnp.ndarray  # [R, 2 + 2K]: room, used, guests (expert id, -1 empty), quotas
