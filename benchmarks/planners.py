@@ -94,11 +94,12 @@ def set_cpu_dispatch(asynchronous: bool) -> None:
 
 
 # The other process configurations latency() runs in, each a child process: JAX's default
-# asynchronous dispatch; XLA's default small-loop limit (each loop iteration a graph of kernels, see
-# jtopoep.xla_cpu); and the benchmark's own configuration with every thread on one core.
+# asynchronous dispatch; XLA's defaults (jtopoep.xla_cpu not configured); its small-loop setting
+# alone; and the benchmark's own configuration with every thread on one core.
 CHILD_MODES = {
     "async_dispatch": "JAX's default asynchronous CPU dispatch",
-    "xla_default_loops": "XLA's default small-loop limit (jtopoep.xla_cpu not configured)",
+    "xla_defaults": "XLA's defaults (jtopoep.xla_cpu not configured)",
+    "small_loops_only": "jtopoep.xla_cpu's small-loop limit alone (XLA's default scheduler)",
     "one_core": "every thread of the process on one core (sched_setaffinity)",
 }
 
@@ -244,7 +245,8 @@ def markdown(results: dict) -> str:
                  + f"; eplb_host / topoep = {results['eplb_host_over_topoep']:.1f}x (median of the per-round ratios).")
     lines.append("Fastest round: " + ", ".join(f"{k} {v:.0f} us" for k, v in results["latency_min_us"].items()) + ".")
     lines.append("Calls run inline on the caller's thread (jax_cpu_enable_async_dispatch=False) and XLA:CPU compiles "
-                 "the planners' loops into single kernels (jtopoep.xla_cpu.configure()), both set by the benchmark. "
+                 "the planners' loops into single kernels and schedules for memory (jtopoep.xla_cpu.configure()), both "
+                 "set by the benchmark. "
                  "The same measurement in other configurations, each in its own process (medians):")
     lines.append("")
     names = list(lat)
@@ -311,8 +313,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     parser.add_argument("--async-dispatch", action="store_true",
                         help="time with JAX's default asynchronous CPU dispatch (see set_cpu_dispatch)")
-    parser.add_argument("--xla-default-loops", action="store_true",
-                        help="leave XLA's small-loop limit at its default (see jtopoep.xla_cpu)")
+    parser.add_argument("--xla-defaults", action="store_true", help="leave XLA:CPU's options as they are "
+                        "(skip jtopoep.xla_cpu.configure())")
+    parser.add_argument("--small-loops-only", action="store_true",
+                        help="jtopoep.xla_cpu.configure() without the memory-optimised scheduler")
     parser.add_argument("--one-core", action="store_true",
                         help="run every thread of this process on one core (set before JAX starts its threads)")
     parser.add_argument("--latency-only", action="store_true", help="print latency() as JSON and stop")
@@ -323,8 +327,8 @@ def main(argv=None) -> dict:
         for thread in os.listdir("/proc/self/task"):
             os.sched_setaffinity(int(thread), core)
     inherited_flags = os.environ.get("XLA_FLAGS", "")
-    if not args.xla_default_loops:
-        xla_cpu.configure()
+    if not args.xla_defaults:
+        xla_cpu.configure(memory_scheduler=not args.small_loops_only)
     set_cpu_dispatch(args.async_dispatch)
     topology = Topology.preset("h800-4x8")
     rounds = args.rounds or (8 if args.quick else 200)

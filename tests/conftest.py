@@ -12,7 +12,10 @@ import jax  # noqa: E402
 
 from jtopoep import xla_cpu  # noqa: E402
 
-xla_cpu.configure()  # as the trainer and the benchmarks do
+# The trainer's XLA:CPU settings, less the memory-optimised scheduler: it changes no result (plans and
+# training losses are bitwise the same) but compiles more slowly, and this suite of many small
+# compiles took 7.6 minutes with it against 6.5 without.
+xla_cpu.configure(memory_scheduler=False)
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

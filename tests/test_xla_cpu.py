@@ -11,26 +11,29 @@ from jtopoep.topology import Topology
 OPTION = xla_cpu.SMALL_LOOP_OPTION
 
 
-def test_adds_the_limit_to_flags_without_extra_options():
-    out = xla_cpu.with_small_loop_kernels("--xla_force_host_platform_device_count=8", 4096)
-    assert out == f"--xla_force_host_platform_device_count=8 --xla_backend_extra_options={OPTION}=4096"
-    assert xla_cpu.with_small_loop_kernels("", 7) == f"--xla_backend_extra_options={OPTION}=7"
+SCHEDULER = f"{xla_cpu.SCHEDULER_FLAG}={xla_cpu.MEMORY_OPTIMIZED}"
+
+
+def test_adds_both_settings_to_flags_without_them():
+    out = xla_cpu.cpu_flags("--xla_force_host_platform_device_count=8", 4096)
+    assert out == f"--xla_force_host_platform_device_count=8 --xla_backend_extra_options={OPTION}=4096 {SCHEDULER}"
+    assert xla_cpu.cpu_flags("", 7, memory_scheduler=False) == f"--xla_backend_extra_options={OPTION}=7"
 
 
 def test_extends_existing_extra_options_instead_of_adding_a_second_flag():
-    out = xla_cpu.with_small_loop_kernels("--xla_backend_extra_options=xla_cpu_foo=1 --xla_dump_to=/tmp/d", 64)
-    assert out == f"--xla_backend_extra_options=xla_cpu_foo=1,{OPTION}=64 --xla_dump_to=/tmp/d"
+    out = xla_cpu.cpu_flags("--xla_backend_extra_options=xla_cpu_foo=1 --xla_dump_to=/tmp/d", 64)
+    assert out == f"--xla_backend_extra_options=xla_cpu_foo=1,{OPTION}=64 --xla_dump_to=/tmp/d {SCHEDULER}"
 
 
-def test_a_limit_already_set_stands():
-    flags = f"--xla_backend_extra_options={OPTION}=0"
-    assert xla_cpu.with_small_loop_kernels(flags, 1 << 20) == flags
+def test_settings_already_made_stand():
+    flags = f"--xla_backend_extra_options={OPTION}=0 {xla_cpu.SCHEDULER_FLAG}=CPU_SCHEDULER_TYPE_DEFAULT"
+    assert xla_cpu.cpu_flags(flags, 1 << 20) == flags
 
 
 @pytest.mark.parametrize("limit", [-1, True])
 def test_rejects_a_limit_that_is_not_a_byte_count(limit):
-    with pytest.raises(ValueError, match="non-negative int of bytes"):
-        xla_cpu.with_small_loop_kernels("", limit)
+    with pytest.raises(ValueError, match="non-negative int"):
+        xla_cpu.cpu_flags("", limit)
 
 
 def test_configure_after_jax_started_is_an_error():
@@ -40,8 +43,8 @@ def test_configure_after_jax_started_is_an_error():
 
 
 def test_the_planner_loop_compiles_to_one_kernel():
-    """conftest configured this process as the trainer does; XLA marks a loop it compiled into one
-    kernel with the xla_cpu_small_call attribute, and topoep's copy loop must be one."""
+    """conftest configured this process's small-loop limit as the trainer does; XLA marks a loop it
+    compiled into one kernel with the xla_cpu_small_call attribute, and topoep's copy loop must be one."""
     planner = get_planner("topoep", topology=Topology.preset("cpu-2x4"), num_experts=16, guest_slots=2)
     hlo = jax.jit(planner).lower(jnp.ones((8, 16), jnp.int32)).compile().as_text()
     assert 'xla_cpu_small_call="true"' in hlo
