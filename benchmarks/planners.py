@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.loads import all_families, synthetic_families
+from jtopoep import xla_cpu
 from jtopoep.costmodel import ExpertDims, layer_time
 from jtopoep.metrics import inter_bytes_floor, summarize
 from jtopoep.planners import eplb_host, get_planner
-from jtopoep import xla_cpu
 from jtopoep.topology import Topology
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
