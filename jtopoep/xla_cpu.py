@@ -16,11 +16,12 @@ cores cost more than the work. configure() sets two compile-time options for the
   so fewer kernels are ready at once. topoep's program then starts from 4 ready kernels instead of
   20, and far fewer handoffs cross cores.
 
-Plans are bitwise identical with and without them (eplb, topoep and taot at E = 64 and 256, K = 1 and
-2, on micro-batches of every load family of the planner benchmark), and the benchmark times both (benchmarks/results/planners.md). Both are CPU-only: the GPU backend
-ignores the scheduler type, and passes to LLVM only the extra options not named xla_*. A setting the
-caller's XLA_FLAGS already make stands. The trainer and the benchmarks call configure() before they
-start JAX; the tests set the small-loop limit alone (tests/conftest.py says why).
+Plans are bitwise identical with and without them (eplb, topoep and taot at E = 64 and 256, K = 1
+and 2, on micro-batches of every load family of the planner benchmark), and the benchmark times both
+(benchmarks/results/planners.md). Both are CPU-only: the GPU backend ignores the scheduler type, and
+passes to LLVM only the extra options not named xla_*. A setting the caller's XLA_FLAGS already make
+stands. The trainer and the benchmarks call configure() before they start JAX; the tests set the
+small-loop limit alone (tests/conftest.py says why).
 """
 
 from __future__ import annotations
