@@ -10,8 +10,8 @@ micro-batches from the mean of the last window's loads, as deployed systems do),
 ideal (the baseline's pairs and token traffic spread perfectly evenly over the ranks, with no
 planning or weight-transfer cost: costmodel.ideal_layer_time).
 Planning latency: the planner benchmark's jitted CPU median in its own configuration (calls inline,
-the planners' loops as single kernels; benchmarks/results/planners.json), stated as a CPU figure
-until a GPU one exists.
+jtopoep.xla_cpu's settings; benchmarks/results/planners.json), stated as a CPU figure until a GPU
+one exists.
 """
 
 from __future__ import annotations
@@ -194,8 +194,8 @@ def planning_latency(path: pathlib.Path) -> dict:
 
 def markdown(results: dict) -> str:
     lines = ["Projected from the cost model (jtopoep/costmodel.py) on real routing; planning latency is the "
-             "jitted CPU median from the planner benchmark (its configuration: calls inline, loops as single "
-             "kernels). Not GPU measurements.", ""]
+             "jitted CPU median from the planner benchmark (its configuration: calls inline, jtopoep.xla_cpu's "
+             "settings). Not GPU measurements.", ""]
     for setting, models in results["settings"].items():
         lines.append(f"### {setting}")
         lines.append("")

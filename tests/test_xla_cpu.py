@@ -9,8 +9,6 @@ from jtopoep.planners import get_planner
 from jtopoep.topology import Topology
 
 OPTION = xla_cpu.SMALL_LOOP_OPTION
-
-
 SCHEDULER = f"{xla_cpu.SCHEDULER_FLAG}={xla_cpu.MEMORY_OPTIMIZED}"
 
 

@@ -27,7 +27,7 @@ def main(argv=None) -> int:
 
     from jtopoep import xla_cpu
 
-    xla_cpu.configure()  # the planners' loops as single kernels on XLA:CPU (no effect on GPU/TPU)
+    xla_cpu.configure()  # XLA:CPU settings for the planners' small kernels (no effect on GPU/TPU)
     processes = args.num_processes or 1
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         # Without accelerators, emulate the mesh's devices on the CPU, each process its share (no
