@@ -7,9 +7,10 @@
               fill the slots holding e in ascending (d, j) order, plan.route[me, d, j] each
     permute : pairs sorted by destination slot; send sizes plan.route[me].sum(1)
     exchange: to the destination ranks (transport.exchange), regrouped there by slot
-    guests  : each guest slot's weights from its expert's home rank (same transport); independent of
-              the home-slot GEMMs, so XLA may overlap the two
-    experts : SwiGLU over the S = H + K slots with jax.lax.ragged_dot, group sizes plan.route[:, me].sum(0)
+    guests  : each guest slot's weights from its expert's home rank (same transport)
+    experts : SwiGLU over the S = H + K slots with jax.lax.ragged_dot, group sizes plan.route[:, me].sum(0):
+              one grouped GEMM for the home slots and one for the guest slots, so that the home GEMM
+              does not depend on the guest weights and XLA may overlap it with their transfer
     return  : the reverse exchange, unpermute, and the gate-weighted sum over the k choices
 
 Receive buffer: a rank receives at most R*T*k rows (every source sending it every pair), and the
@@ -149,10 +150,34 @@ def fetch_guest_weights(weights: ExpertWeights, plan: Plan, placement: Int[Array
 
 
 def _swiglu_slots(x, weights: ExpertWeights, group_sizes):
-    with jax.named_scope("grouped_ffn"):
-        gate = jax.lax.ragged_dot(x, weights.gate, group_sizes)
-        up = jax.lax.ragged_dot(x, weights.up, group_sizes)
-        return jax.lax.ragged_dot(jax.nn.silu(gate) * up, weights.down, group_sizes)
+    gate = jax.lax.ragged_dot(x, weights.gate, group_sizes)
+    up = jax.lax.ragged_dot(x, weights.up, group_sizes)
+    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, weights.down, group_sizes)
+
+
+def expert_ffn(x: Float[Array, "rows D"], home_weights: ExpertWeights, guest_weights: ExpertWeights | None,
+               group_sizes: Int[Array, " S"]) -> Float[Array, "rows D"]:
+    """SwiGLU of each row with its slot's expert; rows in slot order, group_sizes[j] rows for slot j
+    (the H home slots, then the K guest slots); rows past the groups come out as zeros.
+
+    Home and guest slots are two grouped GEMMs, not one over concatenated weights: the home GEMM then
+    does not wait for the guest weights, so XLA can run the guest-weight transfer during it (the
+    overlap the cost model prices), and in the backward pass the guest gradients can leave before the
+    home weight gradients are done. The guest rows are rotated to the front of the buffer and back
+    (a permutation, so its transpose adds nothing twice)."""
+    rows = x.shape[0]
+    home = home_weights.gate.shape[0]
+    row = jnp.arange(rows)[:, None]
+    home_rows = group_sizes[:home].sum()
+    with jax.named_scope("home_ffn"):
+        out = _swiglu_slots(x, home_weights, group_sizes[:home])
+        out = jnp.where(row < home_rows, out, 0)
+    if guest_weights is None:
+        return out
+    with jax.named_scope("guest_ffn"):
+        guest = _swiglu_slots(jnp.roll(x, -home_rows, axis=0), guest_weights, group_sizes[home:])
+        guest = jnp.roll(guest, home_rows, axis=0)
+    return jnp.where((row >= home_rows) & (row < group_sizes.sum()), guest, out)
 
 
 def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: Float[Array, "T k"],
@@ -201,15 +226,12 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
         by_slot = regroup(received, my_route)
         group_sizes = my_route.sum(0)
 
+    guest = None
     if num_slots > home:
         with jax.named_scope("guest_weights"):
             guest = fetch_guest_weights(weights, plan, placement, me, **{k: move[k] for k in
                                                                          ("gpus_per_node", "backend", "hierarchical")})
-            slot_weights = ExpertWeights(*(jnp.concatenate([w, g], 0) for w, g in zip(weights, guest)))
-    else:
-        slot_weights = weights
-    out = _swiglu_slots(by_slot, slot_weights, group_sizes)
-    out = jnp.where((jnp.arange(recv_rows) < group_sizes.sum())[:, None], out, 0)
+    out = expert_ffn(by_slot, weights, guest, group_sizes)
 
     with jax.named_scope("combine"):
         back = regroup(out, my_route.T)

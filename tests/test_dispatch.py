@@ -6,9 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import Var
 from jax.sharding import PartitionSpec as P
 
-from jtopoep.dispatch import ExpertWeights, assign_slots, moe_dispatch
+from jtopoep.dispatch import ExpertWeights, assign_slots, expert_ffn, moe_dispatch
 from jtopoep.plan import check_plan, contiguous_placement
 from jtopoep.planners import get_planner
 from jtopoep.topology import Topology, make_mesh
@@ -215,3 +216,73 @@ def test_receive_buffer_too_small_cuts_the_last_pairs_and_counts_them(devices):
     assert (~live).sum() == expected_dropped
     want = reference(x, ids, np.where(live, gates, 0.0), w)
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), atol=ATOL, rtol=0)
+
+
+# expert_ffn on its own: H home and G guest slots over a buffer with rows to spare past the groups.
+FFN_SIZES = np.array([3, 0, 4, 2, 0, 5], np.int32)  # 3 home slots, 3 guest slots (one of each empty)
+FFN_HOME, FFN_ROWS = 3, 17
+
+
+def ffn_inputs():
+    rng = np.random.default_rng(7)
+    num_slots = FFN_SIZES.size
+    w = ExpertWeights(*(rng.normal(size=s).astype(np.float32) * 0.4
+                        for s in [(num_slots, D, F), (num_slots, D, F), (num_slots, F, D)]))
+    return rng.normal(size=(FFN_ROWS, D)).astype(np.float32), w
+
+
+def split(w):
+    return (ExpertWeights(*(a[:FFN_HOME] for a in w)), ExpertWeights(*(a[FFN_HOME:] for a in w)))
+
+
+def ffn_loss(x, w):
+    home, guest = split(w)
+    y = expert_ffn(x, home, guest, jnp.asarray(FFN_SIZES))
+    return (jnp.sin(y) * y).sum(), y
+
+
+def ffn_reference_loss(x, w):
+    slot = np.repeat(np.arange(FFN_SIZES.size), FFN_SIZES)
+    used = slot.size
+    g = jnp.einsum("td,tdf->tf", x[:used], w.gate[slot])
+    u = jnp.einsum("td,tdf->tf", x[:used], w.up[slot])
+    y = jnp.einsum("tf,tfd->td", jax.nn.silu(g) * u, w.down[slot])
+    y = jnp.concatenate([y, jnp.zeros((FFN_ROWS - used, D), y.dtype)])
+    return (jnp.sin(y) * y).sum(), y
+
+
+def test_expert_ffn_matches_per_row_reference_with_gradients():
+    x, w = ffn_inputs()
+    (got, y), grads = jax.value_and_grad(ffn_loss, argnums=(0, 1), has_aux=True)(x, w)
+    (want, y_ref), ref_grads = jax.value_and_grad(ffn_reference_loss, argnums=(0, 1), has_aux=True)(x, w)
+    np.testing.assert_allclose(y, y_ref, atol=ATOL)
+    assert not np.asarray(y)[FFN_SIZES.sum():].any()  # rows past the groups are exactly zero
+    np.testing.assert_allclose(got, want, atol=ATOL)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        # weight gradients sum up to 5 rows of values near 20: float32 rounding is relative there
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=ATOL)
+
+
+def _depends_on(jaxpr, sources):
+    """Variables of a flat jaxpr computed from any of `sources` (through any equation)."""
+    tainted = set(sources)
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, Var) and v in tainted for v in eqn.invars):
+            tainted.update(eqn.outvars)
+    return tainted
+
+
+def test_home_gemms_do_not_wait_for_guest_weights():
+    x, w = ffn_inputs()
+    home, guest = split(w)
+
+    def fn(x, home, guest):
+        return expert_ffn(x, home, guest, jnp.asarray(FFN_SIZES))
+
+    closed = jax.make_jaxpr(fn)(x, home, guest)
+    jaxpr = closed.jaxpr
+    guest_vars = jaxpr.invars[1 + len(home):]
+    tainted = _depends_on(jaxpr, guest_vars)
+    gemms = [e for e in jaxpr.eqns if e.primitive.name == "ragged_dot_general"]
+    on_guests = [any(isinstance(v, Var) and v in tainted for v in e.invars) for e in gemms]
+    assert len(gemms) == 6 and on_guests == [False] * 3 + [True] * 3, on_guests
