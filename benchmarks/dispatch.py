@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
-import sys
 import time
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -35,11 +33,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
     ranks = args.nodes * args.gpus
-    if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ranks}").strip()
     from jtopoep import xla_cpu
 
     xla_cpu.configure()  # as the trainer does
+    xla_cpu.emulate_cpu_devices(ranks)
 
     import jax
     import numpy as np

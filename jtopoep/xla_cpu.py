@@ -22,6 +22,9 @@ and 2, on micro-batches of every load family of the planner benchmark), and the 
 passes to LLVM only the extra options not named xla_*. A setting the caller's XLA_FLAGS already make
 stands. The trainer and the benchmarks call configure() before they start JAX; the tests set the
 small-loop limit alone (tests/conftest.py says why).
+
+emulate_cpu_devices() gives the CPU backend as many devices as a mesh needs, so that the trainer and
+the dispatch benchmark run their meshes on a machine without accelerators.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ SMALL_LOOP_BYTES = 16 << 20
 SCHEDULER_FLAG = "--xla_cpu_scheduler_type"
 MEMORY_OPTIMIZED = "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
 _EXTRA_OPTIONS = "--xla_backend_extra_options="
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def cpu_flags(xla_flags: str, small_loop_bytes: int = SMALL_LOOP_BYTES, memory_scheduler: bool = True) -> str:
@@ -57,12 +61,29 @@ def cpu_flags(xla_flags: str, small_loop_bytes: int = SMALL_LOOP_BYTES, memory_s
     return " ".join(flags)
 
 
-def configure(small_loop_bytes: int = SMALL_LOOP_BYTES, memory_scheduler: bool = True) -> None:
-    """Apply cpu_flags() to this process's XLA_FLAGS. XLA reads the flags once, when JAX starts its
-    first backend, so this must run before any JAX computation."""
+def _require_no_backend(caller: str) -> None:
     from jax._src import xla_bridge  # backends_are_initialized has no public name
 
     if xla_bridge.backends_are_initialized():
-        raise RuntimeError("jtopoep.xla_cpu.configure() must run before JAX's first computation: XLA has "
+        raise RuntimeError(f"jtopoep.xla_cpu.{caller}() must run before JAX's first computation: XLA has "
                            "already read XLA_FLAGS in this process. Call it at the top of the program.")
+
+
+def configure(small_loop_bytes: int = SMALL_LOOP_BYTES, memory_scheduler: bool = True) -> None:
+    """Apply cpu_flags() to this process's XLA_FLAGS. XLA reads the flags once, when JAX starts its
+    first backend, so this must run before any JAX computation."""
+    _require_no_backend("configure")
     os.environ["XLA_FLAGS"] = cpu_flags(os.environ.get("XLA_FLAGS", ""), small_loop_bytes, memory_scheduler)
+
+
+def emulate_cpu_devices(count: int) -> None:
+    """Have the CPU backend present `count` devices, to run a mesh without accelerators, unless this
+    process's XLA_FLAGS already force a device count (the caller's choice stands). No effect on GPU or
+    TPU backends; like configure(), it must run before JAX's first computation."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be a positive int, got {count!r}")
+    _require_no_backend("emulate_cpu_devices")
+    if DEVICE_COUNT_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", count)

@@ -1,5 +1,9 @@
 """jtopoep.xla_cpu: the XLA_FLAGS it writes, and that XLA:CPU then compiles a planner's loop as one kernel."""
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -38,6 +42,23 @@ def test_configure_after_jax_started_is_an_error():
     jax.devices()  # the test session's backend is up
     with pytest.raises(RuntimeError, match="before JAX's first computation"):
         xla_cpu.configure()
+    with pytest.raises(RuntimeError, match=r"emulate_cpu_devices\(\) must run before"):
+        xla_cpu.emulate_cpu_devices(4)
+
+
+@pytest.mark.parametrize("count", [0, -2, True])
+def test_rejects_a_device_count_that_is_not_positive(count):
+    with pytest.raises(ValueError, match="positive int"):
+        xla_cpu.emulate_cpu_devices(count)
+
+
+@pytest.mark.parametrize("xla_flags,expected", [("", 3), (f"{xla_cpu.DEVICE_COUNT_FLAG}=2", 2)])
+def test_emulated_device_count_unless_xla_flags_force_one(xla_flags, expected):
+    """In a fresh process (this one's backend is up): the count asked for, or the caller's own."""
+    script = "from jtopoep import xla_cpu; xla_cpu.emulate_cpu_devices(3); import jax; print(jax.device_count())"
+    env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == str(expected)
 
 
 def test_the_planner_loop_compiles_to_one_kernel():

@@ -1,7 +1,6 @@
 """python -m train --config configs/tiny_cpu.yaml [--set section.key=value ...] [--fresh]"""
 
 import argparse
-import os
 import sys
 
 
@@ -29,10 +28,8 @@ def main(argv=None) -> int:
 
     xla_cpu.configure()  # XLA:CPU settings for the planners' small kernels (no effect on GPU/TPU)
     processes = args.num_processes or 1
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        # Without accelerators, emulate the mesh's devices on the CPU, each process its share (no
-        # effect on GPU/TPU backends).
-        jax.config.update("jax_num_cpu_devices", max(config.topology.num_devices // processes, 1))
+    # Without accelerators, the mesh's devices are emulated on the CPU, each process its share.
+    xla_cpu.emulate_cpu_devices(max(config.topology.num_devices // processes, 1))
     if args.coordinator:
         # Collectives between CPU processes (emulated multi-host runs) go over Gloo; GPU and TPU
         # backends use their own.
