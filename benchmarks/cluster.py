@@ -94,7 +94,7 @@ def model_traces(model: str, num_ranks: int, steps: int, recorded: str | None) -
     pairs = TOKENS_PER_GPU * cfg.top_k
     layers = cfg.num_moe_layers
     if recorded:
-        rec = traces.load_recorded(recorded)  # [steps, layers, r, e]
+        rec = traces.load_recorded(recorded)  # [micro-batches, layers, r, e]
         totals = rec.sum(2)  # expert loads per step and layer
         per = [[traces.olmoe_microbatches(totals[m % len(totals), l % totals.shape[1]], num_ranks, TOKENS_PER_GPU,
                                           cfg.top_k, 1, num_experts=cfg.num_experts if cfg.num_experts % totals.shape[2] == 0

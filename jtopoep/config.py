@@ -170,6 +170,7 @@ class MoEConfig:
 class TrainConfig:
     steps: int = 100
     batch_size: int = 16  # global sequences per step, divided over all devices
+    microbatches: int = 1  # the step's batch in this many micro-batches, gradients averaged
     learning_rate: float = 3e-3
     warmup_steps: int = 10
     weight_decay: float = 0.01
@@ -183,8 +184,8 @@ class TrainConfig:
     run_dir: str = "runs/tiny_cpu"
 
     def __post_init__(self):
-        _positive("train", self, "steps", "batch_size", "learning_rate", "log_every", "eval_every",
-                  "eval_batches", "checkpoint_every", "keep_checkpoints")
+        _positive("train", self, "steps", "batch_size", "microbatches", "learning_rate", "log_every",
+                  "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints")
         _non_negative("train", self, "warmup_steps", "weight_decay", "grad_clip", "seed")
         _require(self.warmup_steps < self.steps, "train.warmup_steps", self.warmup_steps,
                  f"fewer than train.steps = {self.steps}")
@@ -218,6 +219,10 @@ class RunConfig:
         devices = self.topology.num_devices
         _require(self.train.batch_size % devices == 0, "train.batch_size", self.train.batch_size,
                  f"a multiple of the {devices} devices of the mesh")
+        micro = self.train.microbatches
+        _require(self.train.batch_size % (micro * devices) == 0, "train.batch_size", self.train.batch_size,
+                 f"a multiple of train.microbatches x devices = {micro} x {devices}, so that every micro-batch "
+                 f"has the same number of sequences on every device")
 
     def check_devices(self, num_devices: int) -> None:
         _require(self.topology.num_devices <= num_devices, "topology", self.topology.num_devices,

@@ -206,12 +206,13 @@ def scale_counts(counts: np.ndarray, pairs_per_rank: int) -> np.ndarray:
 
 
 def load_recorded(path: str | pathlib.Path) -> np.ndarray:
-    """int32 [steps, layers, R, E] routing counts recorded by the trainer (counts.npz)."""
+    """int32 [micro-batches, layers, R, E] routing counts recorded by the trainer (counts.npz): one entry
+    per micro-batch, in order (train.microbatches per step; one per step by default)."""
     file = _require_file(pathlib.Path(path))
     with np.load(file) as data:
         if "counts" not in data:
             raise ValueError(f"{file} holds {sorted(data)}; expected an array named 'counts'")
         counts = data["counts"]
     if counts.ndim != 4:
-        raise ValueError(f"{file}: counts has shape {counts.shape}; expected [steps, layers, R, E]")
+        raise ValueError(f"{file}: counts has shape {counts.shape}; expected [micro-batches, layers, R, E]")
     return counts.astype(np.int32)

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jtopoep.config import TopologyConfig, config_from_dict
 from jtopoep.traces import load_recorded
@@ -108,7 +109,7 @@ def test_receive_buffer_overflow_stops_the_run(devices, tmp_path):
     dispatch tests cover that count) stops the run with an error naming the layer and the knob,
     before anything of that step is saved."""
     trainer = Trainer(tiny(tmp_path, "cap"))
-    poison_step(trainer, 3, lambda out: {**out, "dropped_pairs": out["dropped_pairs"].at[1].set(7)})
+    poison_step(trainer, 3, lambda out: {**out, "dropped_pairs": out["dropped_pairs"].at[0, 1].set(7)})
     with pytest.raises(ReceiveCapacityError, match=r"step 3: MoE layer 1 .*\(7 pairs did not fit; "
                                                    r"moe\.recv_capacity_factor = 0\.0\).*last good checkpoint: step 2"):
         trainer.run()
@@ -204,3 +205,46 @@ def test_two_processes_train_like_one(devices, tmp_path):
     assert two.shape == one.shape == (4, 2, 8, 16)
     np.testing.assert_array_equal(two[0], one[0])
     assert (tmp_path / "two" / "checkpoints").is_dir() and (tmp_path / "two" / "report.png").exists()
+
+
+def test_micro_batches_are_routed_apart_and_make_one_step(devices, tmp_path):
+    """train.microbatches = 2: each half of the batch is routed, planned and dispatched on its own (the
+    trace has an entry per micro-batch, and the experts' loads add up to the whole batch's), and the
+    first step's cross-entropy, taken before any update, is the whole batch's."""
+    # Planner `none` (how a micro-batch is planned is the dispatch tests' concern): its whole-batch run is
+    # compiled already by test_balancing_does_not_change_the_loss, and its step compiles fastest.
+    Trainer(tiny(tmp_path, "whole", planner="none")).run()
+    last = Trainer(tiny(tmp_path, "halves", planner="none", microbatches=2)).run()
+    assert last["step"] == 4 and np.isfinite(last["loss"])
+    whole = load_recorded(tmp_path / "whole" / "counts.npz")
+    halves = load_recorded(tmp_path / "halves" / "counts.npz")
+    assert halves.shape == (8, 2, 8, 16)
+    assert (halves.sum((2, 3)) == 8 * 12 * 2).all()  # 8 of the 16 sequences each
+    # Each rank holds other sequences in each half than in the whole batch; each expert's total is the same.
+    np.testing.assert_array_equal(halves[0].sum(1) + halves[1].sum(1), whole[0].sum(1))
+    assert cross_entropies(tmp_path / "halves")[0] == pytest.approx(cross_entropies(tmp_path / "whole")[0], rel=1e-6)
+
+
+def test_accumulated_gradient_is_the_whole_batch_gradient(devices, tmp_path):
+    """Without the load-balancing loss (a product of batch means, so not a mean over micro-batches) the
+    loss is a mean over tokens, and the mean of two halves' gradients is the whole batch's."""
+    from jtopoep.topology import make_mesh
+    from train.data import ByteDataset
+    from train.loop import accumulated_grads, create_sharded_model
+
+    config = tiny(tmp_path, "grads", planner="none", moe={"aux_loss_coef": 0.0})
+    topology = config.topology.to_topology()
+    mesh = make_mesh(topology)
+    model = create_sharded_model(config, topology, mesh)
+    batch = ByteDataset(config.data, config.model.seq_len, config.model.vocab_size, 0).batch(0, 16)
+    step = nnx.jit(lambda m, t: accumulated_grads(m, t, config.moe))
+    sharding = NamedSharding(mesh, P(None, mesh.axis_names))
+    loss_1, ce_1, _, grads_1 = step(model, jax.device_put(batch[None], sharding))
+    loss_2, ce_2, stats_2, grads_2 = step(model, jax.device_put(batch.reshape(2, 8, -1), sharding))
+    assert stats_2[0]["counts"].shape == (2, 8, 16)
+    np.testing.assert_allclose(loss_2, loss_1, rtol=1e-6)
+    np.testing.assert_allclose(ce_2, ce_1, rtol=1e-6)
+    leaves_1, leaves_2 = jax.tree.leaves(grads_1), jax.tree.leaves(grads_2)
+    assert len(leaves_1) == len(leaves_2) > 0
+    for a, b in zip(leaves_1, leaves_2):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)

@@ -100,29 +100,47 @@ def _losses(model, tokens, moe):
     return loss, (ce, stats)
 
 
+def accumulated_grads(model, tokens, moe: MoEConfig):
+    """(mean loss, mean cross-entropy, per-micro-batch layer stats, gradient of the mean loss) of
+    tokens [M, b, L+1], one micro-batch after another (jax.lax.scan): each is routed, planned and
+    dispatched on its own, and only one micro-batch's activations are live at a time. The stats are
+    the layers' stats with a leading micro-batch axis [M]. M = 1 is the plain step, with no scan."""
+    if tokens.shape[0] == 1:
+        grad_fn = nnx.value_and_grad(lambda m: _losses(m, tokens[0], moe), has_aux=True)
+        (loss, (ce, stats)), grads = grad_fn(model)
+        return loss, ce, jax.tree.map(lambda a: a[None], stats), grads
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def micro_batch(total, toks):
+        loss_of = lambda p: _losses(nnx.merge(graphdef, p, rest), toks, moe)  # noqa: E731
+        (loss, (ce, stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        return jax.tree.map(jnp.add, total, grads), (loss, ce, stats)
+
+    total, (loss, ce, stats) = jax.lax.scan(micro_batch, jax.tree.map(jnp.zeros_like, params), tokens)
+    count = tokens.shape[0]
+    return loss.mean(), ce.mean(), stats, jax.tree.map(lambda g: g / count, total)
+
+
 @functools.lru_cache(maxsize=None)
 def make_train_step(moe: MoEConfig, mesh):
     """The jitted step for one MoE config and mesh; cached so that trainers of the same model share
-    compiles. What it returns for the host is replicated over the mesh, so that every process of a
-    multi-host run can read it (an array with shards on other processes' devices cannot be fetched)."""
+    compiles. tokens [M, b, L+1]: M micro-batches whose gradients are averaged into one update
+    (accumulated_grads). What it returns for the host is replicated over the mesh, so that every
+    process of a multi-host run can read it (an array with shards on other processes' devices cannot
+    be fetched); its per-layer arrays have a leading micro-batch axis."""
     replicated = NamedSharding(mesh, P())
 
     @nnx.jit
     def train_step(model, optimizer, tokens):
-        grad_fn = nnx.value_and_grad(lambda m: _losses(m, tokens, moe), has_aux=True)
-        (loss, (ce, stats)), grads = grad_fn(model)
+        loss, ce, stats, grads = accumulated_grads(model, tokens, moe)
         optimizer.update(model, grads)
         if moe.bias_balancing:
+            # One bias update per optimizer step, from the loads of all its micro-batches.
             for layer, layer_stats in zip(model.moe_layers(), stats):
-                layer.bias.set_value(bias_update(layer.bias.get_value(), layer_stats["counts"], moe.bias_update_rate))
-        summary = {
-            "loss": loss, "ce": ce,
-            "imbalance_before": jnp.stack([s["imbalance_before"] for s in stats]),
-            "imbalance_after": jnp.stack([s["imbalance_after"] for s in stats]),
-            "inter_node_pairs": jnp.stack([s["inter_node_pairs"] for s in stats]),
-            "counts": jnp.stack([s["counts"] for s in stats]),
-            "dropped_pairs": jnp.stack([s["dropped_pairs"] for s in stats]),
-        }
+                layer.bias.set_value(bias_update(layer.bias.get_value(), layer_stats["counts"].sum(0),
+                                                 moe.bias_update_rate))
+        per_layer = ("imbalance_before", "imbalance_after", "inter_node_pairs", "counts", "dropped_pairs")
+        summary = {"loss": loss, "ce": ce, **{k: jnp.stack([s[k] for s in stats], axis=1) for k in per_layer}}
         return jax.lax.with_sharding_constraint(summary, replicated)
 
     return train_step
@@ -162,6 +180,7 @@ class Trainer:
         self.topology = config.topology.to_topology()
         self.mesh = make_mesh(self.topology, data=config.topology.data_parallel)
         self.batch_sharding = NamedSharding(self.mesh, P(self.mesh.axis_names))
+        self.micro_batch_sharding = NamedSharding(self.mesh, P(None, self.mesh.axis_names))
         self.data = ByteDataset(config.data, config.model.seq_len, config.model.vocab_size, config.train.seed)
         self.model = create_sharded_model(config, self.topology, self.mesh)
         self.optimizer = nnx.Optimizer(self.model, make_optimizer(config), wrt=nnx.Param)
@@ -179,9 +198,14 @@ class Trainer:
         self.hooks.append(Hook(fn, every))
 
     def _device_batch(self, step: int, split: str = "train") -> jax.Array:
+        """The step's batch [B, L+1]; for training, split into micro-batches [M, B / M, L+1]."""
         batch = self.data.batch(step, self.config.train.batch_size, split)
+        sharding = self.batch_sharding
+        if split == "train":
+            batch = batch.reshape(self.config.train.microbatches, -1, batch.shape[-1])
+            sharding = self.micro_batch_sharding
         # Each process supplies only the shards it holds, so the same code runs on one host or many.
-        return jax.make_array_from_callback(batch.shape, self.batch_sharding, lambda index: batch[index])
+        return jax.make_array_from_callback(batch.shape, sharding, lambda index: batch[index])
 
     def evaluate(self) -> float:
         results = jax.device_get([self.eval_step(self.model, self._device_batch(i, "eval"))
@@ -207,7 +231,7 @@ class Trainer:
             metrics_path.write_text("".join(line + "\n" for line in kept))
         if trace_path.exists():
             with np.load(trace_path) as trace:
-                self.counts = list(trace["counts"][:step])
+                self.counts = list(trace["counts"][:step * self.config.train.microbatches])
         return step
 
     def _save_trace(self) -> None:
@@ -238,7 +262,7 @@ class Trainer:
                 # Stop before anything is saved: the last checkpoint stays the last good state.
                 raise NonFiniteLossError(f"non-finite loss {summary['loss']} at step {done}; last good checkpoint: "
                                          f"step {self.checkpointer.latest_step()}")
-            dropped = np.asarray(summary["dropped_pairs"])
+            dropped = np.asarray(summary["dropped_pairs"]).sum(0)  # per layer, over the micro-batches
             if dropped.any():
                 # Pairs that did not fit a receive buffer were not computed: refuse the step, as for a
                 # non-finite loss, before anything is saved.
@@ -248,12 +272,13 @@ class Trainer:
                     f"holds ({int(dropped[layer])} pairs did not fit; moe.recv_capacity_factor = "
                     f"{self.config.moe.recv_capacity_factor}); raise moe.recv_capacity_factor, or set it to 0 "
                     f"for room for every pair; last good checkpoint: step {self.checkpointer.latest_step()}")
-            self.counts.append(np.asarray(summary["counts"]))
+            self.counts.extend(np.asarray(summary["counts"]))  # one [layers, R, E] entry per micro-batch
+            # Per layer: imbalance averaged over the step's micro-batches, inter-node pairs summed.
             row = {"step": done, "loss": float(summary["loss"]), "ce": float(summary["ce"]),
                    "tokens_per_s": tokens_per_step / seconds, "step_s": seconds,
-                   "imbalance_before": np.asarray(summary["imbalance_before"]).round(4).tolist(),
-                   "imbalance_after": np.asarray(summary["imbalance_after"]).round(4).tolist(),
-                   "inter_node_pairs": np.asarray(summary["inter_node_pairs"]).tolist()}
+                   "imbalance_before": np.asarray(summary["imbalance_before"]).mean(0).round(4).tolist(),
+                   "imbalance_after": np.asarray(summary["imbalance_after"]).mean(0).round(4).tolist(),
+                   "inter_node_pairs": np.asarray(summary["inter_node_pairs"]).sum(0).tolist()}
             if done % t.eval_every == 0 or done == t.steps:
                 row["eval_loss"] = self.evaluate()
             self._log(row)
