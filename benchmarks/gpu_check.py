@@ -1,4 +1,4 @@
-"""GPU-only checks in one go (< 5 minutes): python -m benchmarks.gpu_check --out DIR
+"""GPU-only checks in one go (< 3 minutes): python -m benchmarks.gpu_check --out DIR
 
 1. the `ragged` transport (jax.lax.ragged_all_to_all) against the exact `dense` emulation: the MoE
    layer's output and gradients on a mesh of the GPUs present, every planner, flat and hierarchical;
@@ -10,8 +10,11 @@
    group unless a grouped-GEMM kernel takes it, so its time follows the buffer, not the rows; the
    dispatch module bounds the buffer with recv_rows), and whether the compiled program kept a
    ragged-dot or dense dots;
-4. the dispatch benchmark with the `ragged` transport;
-5. a short training run of the tiny model with the `ragged` transport.
+4. whether XLA:GPU schedules the guest-weight transfer around the home-slot GEMM (the overlap the
+   cost model assumes): in the compiled layer's schedule, the home GEMMs between the transfer's
+   async start and done;
+5. the dispatch benchmark with the `ragged` transport;
+6. a short training run of the tiny model with the `ragged` transport.
 Writes DIR/gpu_check.json and prints a summary.
 """
 
@@ -37,7 +40,11 @@ def mesh_shape(count: int) -> tuple[int, int]:
     return (2, count // 2) if count >= 4 and count % 2 == 0 else (1, count)
 
 
-def check_ragged(out: dict) -> None:
+SPEC = P(("node", "gpu"))
+
+
+def layer_inputs():
+    """(topology, mesh, sharded layer inputs, experts) for a Zipf-routed layer on the GPUs present."""
     nodes, gpus = mesh_shape(len(jax.devices()))
     topology = Topology(num_nodes=nodes, gpus_per_node=gpus)
     ranks = topology.num_ranks
@@ -49,8 +56,12 @@ def check_ragged(out: dict) -> None:
     x = rng.normal(size=(ranks * tokens, d)).astype(np.float32)
     gates = rng.uniform(size=(ranks * tokens, top_k)).astype(np.float32)
     w = [rng.normal(size=s).astype(np.float32) * 0.1 for s in [(experts, d, f), (experts, d, f), (experts, f, d)]]
-    spec = P(("node", "gpu"))
-    args = jax.device_put((x, ids, gates, *w), NamedSharding(mesh, spec))
+    return topology, mesh, jax.device_put((x, ids, gates, *w), NamedSharding(mesh, SPEC)), experts
+
+
+def check_ragged(out: dict) -> None:
+    topology, mesh, args, experts = layer_inputs()
+    nodes, gpus, ranks, spec = topology.num_nodes, topology.gpus_per_node, topology.num_ranks, SPEC
     placement = contiguous_placement(ranks, experts)
     results = []
     for name in ("none", "eplb", "topoep", "taot"):
@@ -120,13 +131,52 @@ def grouped_gemm(out: dict, d: int = 2048, f: int = 1408, rows: int = 4096 * 6) 
     out["grouped_gemm"] = timings
 
 
+def guest_overlap(out: dict, backend: str = "ragged") -> None:
+    """Where the compiled forward layer (topoep, K = 2) schedules the guest-weight transfer against
+    the home-slot GEMMs: the entry computation's instructions in schedule order, those named under
+    the "guest_weights" scope that start or finish an asynchronous operation, and those of the
+    "home_ffn" scope that are GEMMs. The transfer hides behind the home GEMMs when they all lie
+    between its start and its done."""
+    import re
+
+    topology, mesh, args, experts = layer_inputs()
+    placement = contiguous_placement(topology.num_ranks, experts)
+    planner = get_planner("topoep", topology=topology, num_experts=experts, guest_slots=2)
+
+    def body(x, ids, gates, wg, wu, wd):
+        return moe_dispatch(x, ids, gates, ExpertWeights(wg, wu, wd), placement, planner, backend=backend)[0]
+
+    layer = jax.shard_map(body, mesh=mesh, in_specs=(SPEC,) * 6, out_specs=SPEC)
+    hlo = jax.jit(layer).lower(*args).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):].splitlines()
+    entry = entry[:next(i for i, line in enumerate(entry) if line.startswith("}")) + 1]
+    starts, dones, gemms = [], [], []
+    for i, line in enumerate(entry):
+        name = re.search(r'op_name="([^"]*)"', line)
+        opcode = re.search(r"=\s*\S+\s+([\w-]+)\(", line)
+        if not name or not opcode:
+            continue
+        if "guest_weights" in name.group(1) and opcode.group(1).endswith("-start"):
+            starts.append((i, opcode.group(1)))
+        elif "guest_weights" in name.group(1) and opcode.group(1).endswith("-done"):
+            dones.append((i, opcode.group(1)))
+        elif "home_ffn" in name.group(1) and name.group(1).endswith("dot_general"):  # a dot, fused or a library call
+            gemms.append((i, opcode.group(1)))
+    hidden = bool(starts and dones and gemms and min(i for i, _ in starts) < min(i for i, _ in gemms)
+                  and max(i for i, _ in gemms) < max(i for i, _ in dones))
+    out["guest_overlap"] = {"backend": backend, "async_starts": starts, "async_dones": dones,
+                            "home_gemms": gemms, "home_gemms_inside_transfer": hidden}
+    print(f"guest-weight transfer around the home GEMMs: {len(starts)} async starts, {len(dones)} dones, "
+          f"{len(gemms)} home GEMMs; all home GEMMs inside the transfer: {hidden}", flush=True)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=pathlib.Path, required=True)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     out = {"devices": [d.device_kind for d in jax.devices()], "backend": jax.default_backend()}
-    for step in (check_ragged, planner_latency, grouped_gemm):
+    for step in (check_ragged, planner_latency, grouped_gemm, guest_overlap):
         try:
             step(out)
         except Exception as err:  # record and go on: one failing check must not hide the others

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU checks in one go, in under 5 minutes on one H200: ragged transport against the dense oracle,
-# planner latency on the GPU, the dispatch benchmark with the ragged transport, and a short training
-# run with the ragged transport. Uses the machine's own JAX (no install); results land in $OUT or
+# The GPU checks in one go, in under 6 minutes on one H200: ragged transport against the dense oracle,
+# planner latency on the GPU, the grouped GEMM against its buffer, whether the guest-weight transfer is
+# scheduled around the home-slot GEMMs, the dispatch benchmark with the ragged transport, and a short
+# training run with the ragged transport. Uses the machine's own JAX (no install); results land in $OUT or
 # benchmarks/results/gpu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +11,7 @@ out="${OUT:-benchmarks/results/gpu}"
 mkdir -p "$out"
 py=python3
 status=0
-timeout 150 $py -m benchmarks.gpu_check --out "$out" 2>&1 | tee "$out/gpu_check.log" || status=1
+timeout 180 $py -m benchmarks.gpu_check --out "$out" 2>&1 | tee "$out/gpu_check.log" || status=1
 timeout 60 $py -m benchmarks.dispatch --nodes 1 --gpus "$($py -c 'import jax; print(jax.device_count())')" \
   --backend ragged --out "$out" 2>&1 | tee "$out/dispatch.log" || status=1
 timeout 80 $py -m train --config configs/tiny_cpu.yaml --fresh --set topology.num_nodes=1 \

@@ -36,3 +36,15 @@ def test_projection_orders_planners_sensibly():
     assert rows["ideal"]["step_s"] <= rows["topoep"]["step_s"] < rows["none"]["step_s"]
     assert rows["taot"]["step_s"] < rows["none"]["step_s"]
     assert rows["none"]["gain_vs_none"] == 0.0 and rows["ideal"]["share_of_ideal_gain"] == 1.0
+
+
+def test_gpu_check_finds_the_home_gemms_in_the_schedule(devices):
+    """The GPU check reads the compiled layer's schedule; on CPU (dense transport, synchronous
+    collectives) it must still find the home-slot GEMMs (gate, up, down) and report no overlap."""
+    from benchmarks import gpu_check
+
+    out = {}
+    gpu_check.guest_overlap(out, backend="dense")
+    found = out["guest_overlap"]
+    assert len(found["home_gemms"]) == 3 and not found["async_starts"]
+    assert found["home_gemms_inside_transfer"] is False
