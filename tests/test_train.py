@@ -79,6 +79,8 @@ def test_resume_matches_uninterrupted(devices, tmp_path):
     resumed.run()
     assert losses(tmp_path / "killed") == pytest.approx(losses(tmp_path / "straight"), rel=1e-6, abs=0)
     assert load_recorded(tmp_path / "killed" / "counts.npz").shape[0] == 4
+    with np.load(tmp_path / "killed" / "counts.npz") as trace:  # steps 1-2 from the file, 3 and 4 once each
+        np.testing.assert_array_equal(trace["step"], [1, 2, 3, 4])
 
 
 def poison_step(trainer, at_call: int, change) -> None:
@@ -219,6 +221,8 @@ def test_micro_batches_are_routed_apart_and_make_one_step(devices, tmp_path):
     whole = load_recorded(tmp_path / "whole" / "counts.npz")
     halves = load_recorded(tmp_path / "halves" / "counts.npz")
     assert halves.shape == (8, 2, 8, 16)
+    with np.load(tmp_path / "halves" / "counts.npz") as trace:
+        np.testing.assert_array_equal(trace["step"], [1, 1, 2, 2, 3, 3, 4, 4])
     assert (halves.sum((2, 3)) == 8 * 12 * 2).all()  # 8 of the 16 sequences each
     # Each rank holds other sequences in each half than in the whole batch; each expert's total is the same.
     np.testing.assert_array_equal(halves[0].sum(1) + halves[1].sum(1), whole[0].sum(1))

@@ -189,7 +189,9 @@ class Trainer:
         self.train_step = make_train_step(config.moe, self.mesh)
         self.eval_step = make_eval_step(config.moe, self.mesh)
         self.hooks: list[Hook] = []
-        self.counts: list[np.ndarray] = []  # [layers, R, E] per step, the routing trace
+        # The routing trace: [layers, R, E] per micro-batch, and the step each belongs to.
+        self.counts: list[np.ndarray] = []
+        self.count_steps: list[int] = []
 
     def add_hook(self, fn: Callable[["Trainer", int, dict], None], every: int = 1) -> None:
         """Call fn(trainer, step, metrics) after every `every`-th step."""
@@ -231,12 +233,15 @@ class Trainer:
             metrics_path.write_text("".join(line + "\n" for line in kept))
         if trace_path.exists():
             with np.load(trace_path) as trace:
-                self.counts = list(trace["counts"][:step * self.config.train.microbatches])
+                # By step, not by position: the run may have had another train.microbatches before.
+                kept = trace["step"] <= step
+                self.counts, self.count_steps = list(trace["counts"][kept]), list(trace["step"][kept])
         return step
 
     def _save_trace(self) -> None:
         if self.is_main and self.counts:
-            np.savez_compressed(self.run_dir / "counts.npz", counts=np.stack(self.counts).astype(np.int32))
+            np.savez_compressed(self.run_dir / "counts.npz", counts=np.stack(self.counts).astype(np.int32),
+                                step=np.asarray(self.count_steps, np.int32))
 
     def _log(self, row: dict) -> None:
         if not self.is_main:
@@ -273,6 +278,7 @@ class Trainer:
                     f"{self.config.moe.recv_capacity_factor}); raise moe.recv_capacity_factor, or set it to 0 "
                     f"for room for every pair; last good checkpoint: step {self.checkpointer.latest_step()}")
             self.counts.extend(np.asarray(summary["counts"]))  # one [layers, R, E] entry per micro-batch
+            self.count_steps.extend([done] * self.config.train.microbatches)
             # Per layer: imbalance averaged over the step's micro-batches, inter-node pairs summed.
             row = {"step": done, "loss": float(summary["loss"]), "ce": float(summary["ce"]),
                    "tokens_per_s": tokens_per_step / seconds, "step_s": seconds,
