@@ -234,8 +234,10 @@ class Trainer:
         if trace_path.exists():
             with np.load(trace_path) as trace:
                 # By step, not by position: the run may have had another train.microbatches before.
-                kept = trace["step"] <= step
-                self.counts, self.count_steps = list(trace["counts"][kept]), list(trace["step"][kept])
+                # A trace without steps predates micro-batches: one entry per step.
+                steps = trace["step"] if "step" in trace else np.arange(1, len(trace["counts"]) + 1)
+                kept = steps <= step
+                self.counts, self.count_steps = list(trace["counts"][kept]), steps[kept].tolist()
         return step
 
     def _save_trace(self) -> None:
