@@ -2,7 +2,7 @@
 # The GPU checks in one go, in under 6 minutes on one H200: ragged transport against the dense oracle,
 # planner latency on the GPU, the grouped GEMM against its buffer, whether the guest-weight transfer is
 # scheduled around the home-slot GEMMs, the dispatch benchmark with the ragged transport, and a short
-# training run with the ragged transport. Uses the machine's own JAX (no install); results land in $OUT or
+# training run with the ragged transport, in two micro-batches per step. Uses the machine's own JAX (no install); results land in $OUT or
 # benchmarks/results/gpu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,5 +16,6 @@ timeout 60 $py -m benchmarks.dispatch --nodes 1 --gpus "$($py -c 'import jax; pr
   --backend ragged --out "$out" 2>&1 | tee "$out/dispatch.log" || status=1
 timeout 80 $py -m train --config configs/tiny_cpu.yaml --fresh --set topology.num_nodes=1 \
   --set topology.gpus_per_node=1 --set moe.transport=ragged --set train.steps=30 --set train.batch_size=8 \
+  --set train.microbatches=2 \
   --set train.run_dir="$out/tiny_gpu" 2>&1 | tail -n 5 | tee "$out/train.log" || status=1
 exit $status
