@@ -59,20 +59,26 @@ def layer_inputs():
     return topology, mesh, jax.device_put((x, ids, gates, *w), NamedSharding(mesh, SPEC)), experts
 
 
+def dispatch_layer(planner, mesh, experts: int, backend: str, hierarchical: bool = False):
+    """The MoE layer's expert computation over the mesh: (x, ids, gates, w_gate, w_up, w_down) -> y."""
+    placement = contiguous_placement(planner.topology.num_ranks, experts)
+
+    def body(x, ids, gates, wg, wu, wd):
+        return moe_dispatch(x, ids, gates, ExpertWeights(wg, wu, wd), placement, planner, backend=backend,
+                            hierarchical=hierarchical)[0]
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(SPEC,) * 6, out_specs=SPEC)
+
+
 def check_ragged(out: dict) -> None:
     topology, mesh, args, experts = layer_inputs()
-    nodes, gpus, ranks, spec = topology.num_nodes, topology.gpus_per_node, topology.num_ranks, SPEC
-    placement = contiguous_placement(ranks, experts)
     results = []
     for name in ("none", "eplb", "topoep", "taot"):
         planner = get_planner(name, topology=topology, num_experts=experts, guest_slots=0 if name == "none" else 2)
         for hierarchical in (False, True):
             outs = {}
             for backend in ("ragged", "dense"):
-                def body(x, ids, gates, wg, wu, wd, backend=backend):
-                    return moe_dispatch(x, ids, gates, ExpertWeights(wg, wu, wd), placement, planner, backend=backend,
-                                        hierarchical=hierarchical)[0]
-                layer = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 6, out_specs=spec)
+                layer = dispatch_layer(planner, mesh, experts, backend, hierarchical)
                 fn = jax.jit(jax.value_and_grad(lambda x, ids, g, *w: (layer(x, ids, g, *w) ** 2).sum(),
                                                 argnums=(0, 2, 3, 4, 5)))
                 outs[backend] = jax.device_get(fn(*args))
@@ -80,7 +86,8 @@ def check_ragged(out: dict) -> None:
                       for a, b in zip(jax.tree.leaves(outs["ragged"]), jax.tree.leaves(outs["dense"])))
             results.append({"planner": name, "hierarchical": hierarchical, "max_abs_diff": err, "ok": err <= 1e-4})
             print(f"ragged vs dense {name} hierarchical={hierarchical}: max |diff| {err:.2e}", flush=True)
-    out["ragged_vs_dense"] = {"mesh": f"{nodes}x{gpus}", "rows": results, "all_ok": all(r["ok"] for r in results)}
+    out["ragged_vs_dense"] = {"mesh": f"{topology.num_nodes}x{topology.gpus_per_node}", "rows": results,
+                              "all_ok": all(r["ok"] for r in results)}
 
 
 def planner_latency(out: dict) -> None:
@@ -140,14 +147,8 @@ def guest_overlap(out: dict, backend: str = "ragged") -> None:
     import re
 
     topology, mesh, args, experts = layer_inputs()
-    placement = contiguous_placement(topology.num_ranks, experts)
     planner = get_planner("topoep", topology=topology, num_experts=experts, guest_slots=2)
-
-    def body(x, ids, gates, wg, wu, wd):
-        return moe_dispatch(x, ids, gates, ExpertWeights(wg, wu, wd), placement, planner, backend=backend)[0]
-
-    layer = jax.shard_map(body, mesh=mesh, in_specs=(SPEC,) * 6, out_specs=SPEC)
-    hlo = jax.jit(layer).lower(*args).compile().as_text()
+    hlo = jax.jit(dispatch_layer(planner, mesh, experts, backend)).lower(*args).compile().as_text()
     entry = hlo[hlo.index("\nENTRY"):].splitlines()
     entry = entry[:next(i for i, line in enumerate(entry) if line.startswith("}")) + 1]
     starts, dones, gemms = [], [], []
