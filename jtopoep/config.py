@@ -216,13 +216,11 @@ class RunConfig:
         ranks = self.topology.num_nodes * self.topology.gpus_per_node
         _require(self.model.num_experts % ranks == 0, "model.num_experts", self.model.num_experts,
                  f"a multiple of num_nodes * gpus_per_node = {ranks} expert-parallel ranks")
-        devices = self.topology.num_devices
-        _require(self.train.batch_size % devices == 0, "train.batch_size", self.train.batch_size,
-                 f"a multiple of the {devices} devices of the mesh")
-        micro = self.train.microbatches
-        _require(self.train.batch_size % (micro * devices) == 0, "train.batch_size", self.train.batch_size,
-                 f"a multiple of train.microbatches x devices = {micro} x {devices}, so that every micro-batch "
-                 f"has the same number of sequences on every device")
+        devices, micro = self.topology.num_devices, self.train.microbatches
+        allowed = (f"a multiple of the {devices} devices of the mesh" if micro == 1 else
+                   f"a multiple of train.microbatches x devices = {micro} x {devices}, so that every micro-batch "
+                   f"has the same number of sequences on every device")
+        _require(self.train.batch_size % (micro * devices) == 0, "train.batch_size", self.train.batch_size, allowed)
 
     def check_devices(self, num_devices: int) -> None:
         _require(self.topology.num_devices <= num_devices, "topology", self.topology.num_devices,

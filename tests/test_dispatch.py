@@ -31,13 +31,17 @@ def make_inputs(seed=0):
     return x, ids, gates, w
 
 
+def swiglu_rows(x, w, e):
+    """Each row of x through the SwiGLU expert e[row], one row at a time."""
+    g = jnp.einsum("td,tdf->tf", x, w.gate[e])
+    u = jnp.einsum("td,tdf->tf", x, w.up[e])
+    return jnp.einsum("tf,tfd->td", jax.nn.silu(g) * u, w.down[e])
+
+
 def reference(x, ids, gates, w):
     out = jnp.zeros_like(x)
     for j in range(K_TOP):
-        e = ids[:, j]
-        g = jnp.einsum("td,tdf->tf", x, w.gate[e])
-        u = jnp.einsum("td,tdf->tf", x, w.up[e])
-        out += gates[:, j:j + 1] * jnp.einsum("tf,tfd->td", jax.nn.silu(g) * u, w.down[e])
+        out += gates[:, j:j + 1] * swiglu_rows(x, w, ids[:, j])
     return out
 
 
@@ -243,11 +247,8 @@ def ffn_loss(x, w):
 
 def ffn_reference_loss(x, w):
     slot = np.repeat(np.arange(FFN_SIZES.size), FFN_SIZES)
-    used = slot.size
-    g = jnp.einsum("td,tdf->tf", x[:used], w.gate[slot])
-    u = jnp.einsum("td,tdf->tf", x[:used], w.up[slot])
-    y = jnp.einsum("tf,tfd->td", jax.nn.silu(g) * u, w.down[slot])
-    y = jnp.concatenate([y, jnp.zeros((FFN_ROWS - used, D), y.dtype)])
+    y = swiglu_rows(x[:slot.size], w, slot)
+    y = jnp.concatenate([y, jnp.zeros((FFN_ROWS - slot.size, D), y.dtype)])
     return (jnp.sin(y) * y).sum(), y
 
 
