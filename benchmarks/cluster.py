@@ -9,6 +9,10 @@ Planners: none, eplb (per micro-batch, on device), eplb_host (host EPLB re-plann
 micro-batches from the mean of the last window's loads, as deployed systems do), topoep, taot, and
 ideal (the baseline's pairs and token traffic spread perfectly evenly over the ranks, with no
 planning or weight-transfer cost: costmodel.ideal_layer_time).
+Settings: K = 2 guest slots (the headline), K = 1 and 4, half and double the inter-node bandwidth,
+and the --microbatches micro-batches as the gradient-accumulation micro-batches of one optimizer
+step, where a rank that holds a guest copy again keeps it from the previous micro-batch and ships
+no weights for it (moe.keep_copies; its gradients still go home).
 Planning latency: the planner benchmark's jitted CPU median in its own configuration (calls inline,
 jtopoep.xla_cpu's settings; benchmarks/results/planners.json), stated as a CPU figure until a GPU
 one exists.
@@ -136,7 +140,11 @@ def non_moe_seconds(cfg: ModelConfig, topology: Topology) -> float:
 
 
 def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, mats: np.ndarray,
-            window: int, min_gain: float) -> dict:
+            window: int, min_gain: float, keep_copies: bool = False) -> dict:
+    """Per-step terms, tokens/s and gains of every planner on the micro-batches `mats`.
+
+    keep_copies: the micro-batches are those of one optimizer step, and a guest copy a rank holds
+    again from the previous micro-batch of the same layer ships no weights (moe.keep_copies)."""
     cfg = load_model(model)
     dep = Deployment(cfg, topology.num_ranks)
     dims = dep.dims
@@ -148,24 +156,30 @@ def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, m
     terms = ("gemm_s", "exchange_s", "weights_s", "planning_s")
     totals = {p: dict.fromkeys(terms, 0.0) for p in PLANNERS}
     history = []
+    held = {}  # (planner, layer) -> the guest experts of that layer's previous micro-batch
+    home = placement.shape[1]
+
+    def timed(name, layer, plan, planning_s):
+        t = layer_time(plan, topology, dims, placement, planning_s, held.get((name, layer)))
+        if keep_copies:
+            held[(name, layer)] = np.asarray(plan.slot_expert)[:, home:]
+        for k in terms:
+            totals[name][k] += t[k]
+
     for m, micro in enumerate(mats):
         for layer, raw in enumerate(micro):
             counts = dep.expand(raw)
             history.append((layer, counts))
             for name, fn in planners.items():
                 plan = jax.device_get(fn(counts))
-                t = layer_time(plan, topology, dims, placement, latency_s.get(name, 0.0) if name != "none" else 0.0)
-                for k in terms:
-                    totals[name][k] += t[k]
+                timed(name, layer, plan, latency_s.get(name, 0.0) if name != "none" else 0.0)
             # eplb_host: placement from the mean of the previous window's loads of this layer.
             past = [c for (l, c) in history[:-1] if l == layer][-window:]
             basis = np.mean(past, axis=0).astype(np.int32) if past else counts
             slot_expert, _ = eplb_slots(basis, placement, guest_slots, 0.0, np)
             quota = even_quotas(slot_expert, counts.sum(0).astype(np.int32), np)
             plan = plan_from_quotas(counts, slot_expert, quota, topology.gpus_per_node, False, np)
-            t = layer_time(plan, topology, dims, placement, latency_s.get("eplb_host", 0.0) / window)
-            for k in terms:
-                totals["eplb_host"][k] += t[k]
+            timed("eplb_host", layer, plan, latency_s.get("eplb_host", 0.0) / window)
             ideal = ideal_layer_time(home_plan(jnp.asarray(counts), jnp.asarray(placement), 0), topology, dims)
             for k in terms:
                 totals["ideal"][k] += ideal[k]
@@ -269,16 +283,18 @@ def main(argv=None) -> dict:
     models = args.model or list(MODELS)
     latency = planning_latency(RESULTS / "planners.json")
     base_topology = Topology.preset(args.topology)
-    settings = [("K=2", base_topology, 2)]
+    settings = [("K=2", base_topology, 2, False)]
     if not args.no_sensitivity:
-        settings += [("K=1", base_topology, 1), ("K=4", base_topology, 4),
-                     ("K=2, inter-node bandwidth x0.5", dataclasses.replace(base_topology, inter_bw=base_topology.inter_bw / 2), 2),
-                     ("K=2, inter-node bandwidth x2", dataclasses.replace(base_topology, inter_bw=base_topology.inter_bw * 2), 2)]
+        settings += [("K=1", base_topology, 1, False), ("K=4", base_topology, 4, False),
+                     ("K=2, inter-node bandwidth x0.5", dataclasses.replace(base_topology, inter_bw=base_topology.inter_bw / 2), 2, False),
+                     ("K=2, inter-node bandwidth x2", dataclasses.replace(base_topology, inter_bw=base_topology.inter_bw * 2), 2, False),
+                     (f"K=2, the {args.microbatches} micro-batches one step, guest copies kept between them",
+                      base_topology, 2, True)]
     mats = {m: model_traces(m, base_topology.num_ranks, args.microbatches, args.trace) for m in models}
     results = {"topology": args.topology, "tokens_per_gpu": TOKENS_PER_GPU, "min_gain": args.min_gain,
                "planning_latency_s": latency, "headline": "K=2", "settings": {}}
-    for label, topology, k in settings:
-        results["settings"][label] = {m: project(m, topology, k, latency, mats[m], args.window, args.min_gain)
+    for label, topology, k, keep in settings:
+        results["settings"][label] = {m: project(m, topology, k, latency, mats[m], args.window, args.min_gain, keep)
                                       for m in models}
         print(label, "done", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -142,6 +142,10 @@ class MoEConfig:
     # all of it. 0: R * T * k, room for every pair of every source, never cut. A step whose plan sends a
     # rank more stops training with an error (jtopoep.dispatch).
     recv_capacity_factor: float = 0.0
+    # With train.microbatches > 1: a guest copy a rank already holds from the step's previous
+    # micro-batch is kept, not fetched again (the weights have not changed). Saves forward weight
+    # transfers; losses and gradients are bitwise the same (jtopoep.guests).
+    keep_copies: bool = True
     sinkhorn_epsilon: float = 1.0  # taot only: entropic regularisation, in link-cost units
     sinkhorn_iters: int = 10  # taot only: fixed Sinkhorn iteration count
     taot_locality_weight: float = 2.0  # taot only: score weight of pairs a copy keeps off the slow link

@@ -10,7 +10,8 @@ Constants and their sources:
   in the backward pass.
 - A guest copy receives 3 D F weight elements before its forward GEMM and sends as many gradient
   elements home after its backward GEMM (gradients kept in the weight dtype, as Megatron-Core does
-  for bf16 expert-parallel gradient reduction).
+  for bf16 expert-parallel gradient reduction). A copy kept from the step's previous micro-batch
+  (`held`) receives nothing; its gradients still go home.
 - Links: the scale-up and scale-out fabrics are separate hardware and DeepEP drives them concurrently,
   so a rank's exchange time is the slower of its NVLink and RDMA transfers, sending and receiving in
   full duplex; each exchange pays the latency of the slowest link class it uses.
@@ -79,21 +80,30 @@ def home_rank_of_slots(plan: Plan, placement: np.ndarray) -> np.ndarray:
     return np.where(slot_expert >= 0, home_of_expert[np.maximum(slot_expert, 0)], -1)
 
 
-def guest_transfers(plan: Plan, placement: np.ndarray) -> np.ndarray:
-    """[R(home), R(guest host)] number of guest copies shipped from each home rank to each rank."""
+def guest_transfers(plan: Plan, placement: np.ndarray, held=None) -> np.ndarray:
+    """[R(home), R(guest host)] number of guest copies shipped from each home rank to each rank.
+    held: [R, K'] guest experts each rank already holds (the previous micro-batch's guest columns of
+    the same step, -1 empty); copies of those are kept, not shipped (jtopoep.guests)."""
     num_ranks, home = placement.shape
+    guests = np.asarray(plan.slot_expert)[:, home:]
     home_rank = home_rank_of_slots(plan, placement)[:, home:]
+    shipped = home_rank >= 0
+    if held is not None:
+        held = np.asarray(held)
+        shipped &= ~(guests[:, :, None] == held[:, None, :]).any(2)
     moves = np.zeros((num_ranks, num_ranks), np.int64)
-    for d, h in zip(*np.nonzero(home_rank >= 0)):
+    for d, h in zip(*np.nonzero(shipped)):
         moves[home_rank[d, h], d] += 1
     return moves
 
 
 def layer_time(plan: Plan, topology: Topology, dims: ExpertDims, placement,
-               planning_s: float = 0.0) -> dict[str, float]:
+               planning_s: float = 0.0, held=None) -> dict[str, float]:
     """Seconds of one MoE layer's forward+backward under the plan, by term, and their sum.
 
-    placement: [R, H] home expert of each home slot (the plan's first H slot columns)."""
+    placement: [R, H] home expert of each home slot (the plan's first H slot columns).
+    held: [R, K'] guest experts each rank kept from the step's previous micro-batch (-1 empty): their
+    copies' weights are not shipped again, but every copy's gradients still go home."""
     route = np.asarray(plan.route).astype(np.float64)
     num_ranks = route.shape[0]
     placement = np.asarray(placement)
@@ -117,15 +127,20 @@ def layer_time(plan: Plan, topology: Topology, dims: ExpertDims, placement,
     latency = topology.inter_latency if uses_inter else (topology.intra_latency if uses_intra else 0.0)
     exchange = EXCHANGES_PER_LAYER * (float(per_rank.max()) + latency)
 
-    moves = guest_transfers(plan, placement).astype(np.float64)
-    weight_in = np.zeros(num_ranks)
-    for c in (1, 2):
-        m = np.where(cls == c, moves, 0.0) * dims.expert_bytes / bw[c]
-        # Home ranks send (rows), guest hosts receive (columns); full duplex: the slower side.
-        weight_in = np.maximum(weight_in, np.maximum(m.sum(0), m.sum(1)))
+    def busy(moves):
+        """Per-rank seconds of copy transfers: home ranks send (rows), guest hosts receive (columns);
+        full duplex: the slower side."""
+        out = np.zeros(num_ranks)
+        for c in (1, 2):
+            m = np.where(cls == c, moves.astype(np.float64), 0.0) * dims.expert_bytes / bw[c]
+            out = np.maximum(out, np.maximum(m.sum(0), m.sum(1)))
+        return out
+
+    every_copy = busy(guest_transfers(plan, placement))
+    weights_out = every_copy if held is None else busy(guest_transfers(plan, placement, held))
     home_fwd = route[:, :, :home].sum(axis=(0, 2)) * pair_fwd_s
-    exposed = np.maximum(weight_in - home_fwd, 0.0)  # weights out, overlapped with home forward GEMMs
-    exposed_grad = np.maximum(weight_in - 2.0 * home_fwd, 0.0)  # gradients back, behind home backward
+    exposed = np.maximum(weights_out - home_fwd, 0.0)  # weights out, overlapped with home forward GEMMs
+    exposed_grad = np.maximum(every_copy - 2.0 * home_fwd, 0.0)  # gradients back, behind home backward
     weights = float(exposed.max() + exposed_grad.max())
 
     total = gemm + exchange + weights + planning_s

@@ -7,7 +7,8 @@
               fill the slots holding e in ascending (d, j) order, plan.route[me, d, j] each
     permute : pairs sorted by destination slot; send sizes plan.route[me].sum(1)
     exchange: to the destination ranks (transport.exchange), regrouped there by slot
-    guests  : each guest slot's weights from its expert's home rank (same transport)
+    guests  : each guest slot's weights from its expert's home rank (same transport), or kept
+              from the previous micro-batch of the step (jtopoep.guests)
     experts : SwiGLU over the S = H + K slots with jax.lax.ragged_dot, group sizes plan.route[:, me].sum(0):
               one grouped GEMM for the home slots and one for the guest slots, so that the home GEMM
               does not depend on the guest weights and XLA may overlap it with their transfer
@@ -24,7 +25,8 @@ largest rank load nothing is cut, and the layer is exact.
 Everything is differentiable: the transpose of each exchange is the reverse exchange, so gradients of
 guest-slot weights travel back to the home rank and add into the home expert's gradient.
 Traffic per rank and layer (forward): T*k rows of D sent and received in total, plus 3*D*F weights per
-guest slot received; the backward pass moves the same again in the opposite direction.
+guest slot received (none for a copy kept from the previous micro-batch); the backward pass moves the
+same again in the opposite direction (every guest slot's gradient, kept copy or not).
 """
 
 from __future__ import annotations
@@ -36,23 +38,21 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jtopoep.plan import Plan, home_plan, home_rank_of_experts
+from jtopoep.guests import ExpertWeights, GuestCopies, fetch_guest_weights
+from jtopoep.plan import Plan, home_plan
 from jtopoep.planners.common import PlannerBase
 from jtopoep.planners.none import NonePlanner
-from jtopoep.ordering import first_argmax, inverse_permutation, stable_order
+from jtopoep.ordering import inverse_permutation, stable_order
 from jtopoep.transport import exchange, exclusive_cumsum, regroup
-
-
-class ExpertWeights(NamedTuple):
-    gate: Float[Array, "H D F"]
-    up: Float[Array, "H D F"]
-    down: Float[Array, "H F D"]
 
 
 class DispatchStats(NamedTuple):
     counts: Int[Array, "R E"]  # all-gathered routing counts of this layer
     plan: Plan  # the planner's plan, before any cut to the receive buffer
     dropped: Int[Array, ""]  # pairs the receive buffers could not take (0: the layer is exact)
+    # This rank's guest copies after the layer, for the next micro-batch of the same optimizer step
+    # (moe_dispatch's `previous`); None when the plan has no guest slots.
+    guests: GuestCopies | None = None
 
 
 def fit_route(route: Int[Array, "R R S"], recv_rows: int) -> Int[Array, "R R S"]:
@@ -110,45 +110,6 @@ def assign_slots(expert_ids: Int[Array, " A"], local_counts: Int[Array, " E"], p
     return jnp.zeros(num_pairs, jnp.int32).at[order].set(dest_sorted.astype(jnp.int32), unique_indices=True)
 
 
-def fetch_guest_weights(weights: ExpertWeights, plan: Plan, placement: Int[Array, "R H"], me, *,
-                        gpus_per_node: int, backend: str, hierarchical: bool) -> ExpertWeights:
-    """[K, ...] weights of this rank's guest slots, each sent by its expert's home rank.
-
-    Home rank h sends, for every guest slot (d, i) holding one of its experts, that expert's weights
-    to d, in (d, i) order; d receives them in source order and puts each in its slot. Empty guest
-    slots get zeros (no pair is routed to them)."""
-    num_ranks, home = placement.shape
-    guests = plan.slot_expert[:, home:]  # [R, K]
-    num_guests = guests.shape[1]
-    home_rank = home_rank_of_experts(placement)
-    home_slot = first_argmax(placement[home_rank] == jnp.arange(placement.size)[:, None], axis=1)  # [E]
-    occupied = guests >= 0
-    src = jnp.where(occupied, home_rank[jnp.maximum(guests, 0)], -1)  # [R, K] home rank per guest slot
-    sizes = (src[None, :, :] == jnp.arange(num_ranks)[:, None, None]).sum(2).astype(jnp.int32)  # [h, d]
-    flat = [w.reshape(home, -1) for w in weights]
-    rows = jnp.concatenate(flat, axis=1)  # [H, 3*D*F]
-    mine = (src == me).reshape(-1)
-    send_order = stable_order((~mine).astype(jnp.int32), 2)  # my (d, i) slots first, in (d, i) order
-    which = home_slot[jnp.maximum(guests.reshape(-1), 0)][send_order]
-    # A one-hot matmul rather than a gather: its transpose sums guest gradients into the home rows
-    # with a dense dot, not a float scatter-add whose order could vary.
-    pick = (which[:, None] == jnp.arange(home)[None, :]).astype(rows.dtype)
-    send = pick @ rows  # [R*K, 3*D*F]
-    received = exchange(send, sizes, out_rows=num_guests, gpus_per_node=gpus_per_node, backend=backend,
-                        hierarchical=hierarchical, capacity=num_guests)
-    my_src = jax.lax.dynamic_index_in_dim(src, me, 0, keepdims=False)  # [K]
-    earlier_same = (my_src[None, :] == my_src[:, None]) & (jnp.arange(num_guests)[None, :] < jnp.arange(num_guests)[:, None])
-    offset = exclusive_cumsum(jax.lax.dynamic_index_in_dim(sizes, me, 1, keepdims=False))  # per source
-    position = offset[jnp.maximum(my_src, 0)] + earlier_same.sum(1)
-    got = jnp.where((my_src >= 0)[:, None], received[jnp.clip(position, 0, num_guests - 1)], 0)
-    parts, start = [], 0
-    for w in weights:
-        size = w[0].size
-        parts.append(got[:, start:start + size].reshape((num_guests,) + w.shape[1:]))
-        start += size
-    return ExpertWeights(*parts)
-
-
 def _swiglu_slots(x, weights: ExpertWeights, group_sizes):
     gate = jax.lax.ragged_dot(x, weights.gate, group_sizes)
     up = jax.lax.ragged_dot(x, weights.up, group_sizes)
@@ -183,11 +144,15 @@ def expert_ffn(x: Float[Array, "rows D"], home_weights: ExpertWeights, guest_wei
 def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: Float[Array, "T k"],
                  weights: ExpertWeights, placement: Int[Array, "R H"], planner: PlannerBase, *,
                  backend: str = "auto", hierarchical: bool = False, recv_rows: int | None = None,
-                 axes: tuple[str, str] = ("node", "gpu")) -> tuple[Float[Array, "T D"], DispatchStats]:
+                 axes: tuple[str, str] = ("node", "gpu"),
+                 previous: GuestCopies | None = None) -> tuple[Float[Array, "T D"], DispatchStats]:
     """The layer's expert computation for this rank's T tokens; call inside shard_map over `axes`.
 
     recv_rows: rows of each rank's receive buffer, which the grouped GEMM runs over; default (and at
-    most) R * T * k, which always suffices. See the module docstring for what a smaller one does."""
+    most) R * T * k, which always suffices. See the module docstring for what a smaller one does.
+    previous: the guest copies this layer held after the previous micro-batch of the same optimizer
+    step (its DispatchStats.guests); guest slots that hold one of them again are not fetched
+    (jtopoep.guests). Only valid while the weights are unchanged: start each step without it."""
     topology = planner.topology
     gpus = topology.gpus_per_node
     num_tokens, top_k = expert_ids.shape
@@ -226,11 +191,12 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
         by_slot = regroup(received, my_route)
         group_sizes = my_route.sum(0)
 
-    guest = None
+    guest, copies = None, None
     if num_slots > home:
         with jax.named_scope("guest_weights"):
-            guest = fetch_guest_weights(weights, plan, placement, me, **{k: move[k] for k in
-                                                                         ("gpus_per_node", "backend", "hierarchical")})
+            guest = fetch_guest_weights(weights, plan.slot_expert[:, home:], placement, me, previous=previous,
+                                        **{k: move[k] for k in ("gpus_per_node", "backend", "hierarchical")})
+        copies = GuestCopies(plan.slot_expert[:, home:], guest)
     out = expert_ffn(by_slot, weights, guest, group_sizes)
 
     with jax.named_scope("combine"):
@@ -238,4 +204,4 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
         returned = exchange(back, sizes.T, out_rows=num_pairs, capacity=num_pairs, **move)
         per_pair = returned[inverse_permutation(send_order)].reshape(num_tokens, top_k, -1)
         y = jnp.einsum("tkd,tk->td", per_pair, gates.astype(per_pair.dtype))
-    return y, DispatchStats(counts, plan, dropped)
+    return y, DispatchStats(counts, plan, dropped, copies)

@@ -21,7 +21,8 @@ from jaxtyping import Array, Float
 
 from jtopoep.config import MoEConfig
 from jtopoep.costmodel import ExpertDims
-from jtopoep.dispatch import ExpertWeights, moe_dispatch, receive_rows
+from jtopoep.dispatch import moe_dispatch, receive_rows
+from jtopoep.guests import ExpertWeights, GuestCopies, kept_slots
 from jtopoep.metrics import counts_imbalance, imbalance, inter_node_pairs
 from jtopoep.plan import contiguous_placement
 from jtopoep.planners import get_planner
@@ -54,6 +55,7 @@ class MoELayer(nnx.Module):
         if num_experts % topology.num_ranks:
             raise ValueError(f"num_experts = {num_experts} must be a multiple of the {topology.num_ranks} ranks")
         self.moe = moe
+        self.dtype = jnp.dtype(dtype)
         self.top_k = top_k
         self.topology = topology
         self.mesh = mesh
@@ -71,7 +73,25 @@ class MoELayer(nnx.Module):
         """Rows of each rank's receive buffer for T tokens per rank (moe.recv_capacity_factor)."""
         return receive_rows(self.moe.recv_capacity_factor, tokens_per_rank * self.top_k, self.topology.num_ranks)
 
-    def __call__(self, x: Float[Array, "B L D"]) -> tuple[Float[Array, "B L D"], dict]:
+    @property
+    def makes_copies(self) -> bool:
+        """Whether this layer's plans can have guest copies (so it has GuestCopies to keep)."""
+        return self.moe.guest_slots > 0 and self.moe.planner != "none"
+
+    def no_guest_copies(self) -> GuestCopies:
+        """The copies held before a step's first micro-batch: none (zeros in the compute dtype)."""
+        num_ranks = self.topology.num_ranks
+        shapes = [w.shape for w in (self.w_gate, self.w_up, self.w_down)]
+        return GuestCopies.empty(num_ranks, self.moe.guest_slots,
+                                 ExpertWeights(*(jax.ShapeDtypeStruct(s, self.dtype) for s in shapes)))
+
+    def __call__(self, x: Float[Array, "B L D"],
+                 previous: GuestCopies | None = None) -> tuple[Float[Array, "B L D"], dict]:
+        """y and this layer's stats (losses, imbalance, inter-node pairs, counts, guest copies made and
+        kept, pairs dropped). previous: the guest copies this layer held after the previous
+        micro-batch of the same optimizer step (stats["guests"] of that call; no_guest_copies() for
+        the first); copies held again are not fetched (jtopoep.guests). With it, stats["guests"] holds
+        the copies after this call, for the next micro-batch."""
         batch_axes = tuple(a for a in self.mesh.axis_names)
         token_spec = P(batch_axes)
         expert_spec = P(EP_AXES)
@@ -79,8 +99,12 @@ class MoELayer(nnx.Module):
         placement = contiguous_placement(num_ranks, self.planner.num_experts)
         moe = self.moe
         bias = None if self.bias is None else self.bias.get_value()
+        keep = previous is not None
+        if keep and not self.makes_copies:
+            raise ValueError(f"previous guest copies were passed to a layer that makes none (planner "
+                             f"{moe.planner!r}, guest_slots {moe.guest_slots})")
 
-        def body(x, router, w_gate, w_up, w_down, bias):
+        def body(x, router, w_gate, w_up, w_down, bias, previous):
             b, length, d = x.shape
             tokens = x.reshape(b * length, d)
             with jax.named_scope("route"):
@@ -89,7 +113,7 @@ class MoELayer(nnx.Module):
             y, stats = moe_dispatch(tokens, routed.expert_ids, routed.gates.astype(x.dtype),
                                     ExpertWeights(w_gate, w_up, w_down), placement, self.planner,
                                     backend=moe.transport, hierarchical=moe.hierarchical,
-                                    recv_rows=self.recv_rows(tokens.shape[0]))
+                                    recv_rows=self.recv_rows(tokens.shape[0]), previous=previous)
             scalars = {
                 "aux_loss": jax.lax.pmean(routed.aux_loss, batch_axes),
                 "z_loss": jax.lax.pmean(routed.z_loss, batch_axes),
@@ -101,14 +125,26 @@ class MoELayer(nnx.Module):
                 "counts": stats.counts,
                 "dropped_pairs": stats.dropped,
             }
-            return y.reshape(b, length, d), scalars, jax.tree.map(lambda a: a[None], per_device)
+            guests = stats.plan.slot_expert[:, placement.shape[1]:]
+            per_device["guest_copies"] = (guests >= 0).sum(dtype=jnp.int32)
+            # Copies held from the previous micro-batch, so not fetched: the weight transfers saved.
+            per_device["kept_copies"] = (kept_slots(guests, previous.experts).sum(dtype=jnp.int32) if keep
+                                         else jnp.zeros((), jnp.int32))
+            held = None
+            if keep:
+                per_device["guest_experts"] = stats.guests.experts
+                held = stats.guests.weights
+            return y.reshape(b, length, d), scalars, jax.tree.map(lambda a: a[None], per_device), held
 
         stats_spec = {"aux_loss": P(), "z_loss": P()}
+        previous_spec = GuestCopies(P(), ExpertWeights(expert_spec, expert_spec, expert_spec)) if keep else P()
         fn = jax.shard_map(body, mesh=self.mesh,
-                           in_specs=(token_spec, P(), expert_spec, expert_spec, expert_spec, P()),
-                           out_specs=(token_spec, stats_spec, P(batch_axes)))
+                           in_specs=(token_spec, P(), expert_spec, expert_spec, expert_spec, P(), previous_spec),
+                           out_specs=(token_spec, stats_spec, P(batch_axes), previous_spec.weights if keep else P()))
         w_gate, w_up, w_down = (w.get_value().astype(x.dtype) for w in (self.w_gate, self.w_up, self.w_down))
-        y, scalars, per_device = fn(x, self.router.get_value(), w_gate, w_up, w_down, bias)
+        y, scalars, per_device, held = fn(x, self.router.get_value(), w_gate, w_up, w_down, bias, previous)
         # Every rank of an expert-parallel group holds the same counts and plan: report the first group's.
         stats = {**scalars, **jax.tree.map(lambda a: a[0], per_device)}
+        if keep:
+            stats["guests"] = GuestCopies(stats.pop("guest_experts"), held)
         return y, stats

@@ -65,8 +65,13 @@ def ragged_all_to_all_dense(operand: Shaped[Array, "rows *feat"], output: Shaped
     # Where each source asked its rows to land in this rank's output.
     landing = jax.lax.all_to_all(output_offsets.reshape(peers, 1), axis_name, 0, 0, tiled=False)[:, 0]
     position = landing[:, None] + rows[None, :]
-    position = jnp.where(rows[None, :] < recv_sizes[:, None], position, output.shape[0])  # dropped: padding
-    return output.at[position.reshape(-1)].set(received.reshape((-1,) + operand.shape[1:]), mode="drop")
+    # Padding rows go past the end, where the scatter drops them, each to its own index: a row lands
+    # at most once, so the scatter's indices are unique and its transpose is a plain gather (which
+    # jax.linear_transpose needs, jtopoep.guests). Senders' rows land below (P + 1) * C.
+    past_end = max(output.shape[0], (peers + 1) * capacity) + jnp.arange(peers * capacity).reshape(peers, capacity)
+    position = jnp.where(rows[None, :] < recv_sizes[:, None], position, past_end)
+    return output.at[position.reshape(-1)].set(received.reshape((-1,) + operand.shape[1:]), mode="drop",
+                                               unique_indices=True)
 
 
 def _all_to_all(backend: str, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from jtopoep.config import ModelConfig, MoEConfig
+from jtopoep.guests import GuestCopies
 from jtopoep.layer import MoELayer
 from jtopoep.topology import Topology
 
@@ -76,12 +77,12 @@ class Block(nnx.Module):
             shared_hidden = config.shared_experts * config.expert_hidden
             self.shared = SwiGLU(config.d_model, shared_hidden, dtype=dtype, rngs=rngs) if config.shared_experts else None
 
-    def __call__(self, x):
+    def __call__(self, x, previous: GuestCopies | None = None):
         x = x + self.attn(self.attn_norm(x))
         h = self.ffn_norm(x)
         if self.moe is None:
             return x + self.ffn(h), None
-        y, stats = self.moe(h)
+        y, stats = self.moe(h, previous)
         if self.shared is not None:
             y = y + self.shared(h)
         return x + y, stats
@@ -97,11 +98,16 @@ class MoETransformer(nnx.Module):
         self.norm = nnx.RMSNorm(config.d_model, dtype=dtype, rngs=rngs)
         self.head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens: Int[Array, "B L"]) -> tuple[Float[Array, "B L V"], list[dict]]:
+    def __call__(self, tokens: Int[Array, "B L"],
+                 previous: list[GuestCopies] | None = None) -> tuple[Float[Array, "B L V"], list[dict]]:
+        """Logits and each MoE layer's stats. previous: one GuestCopies per MoE layer, the copies it
+        held after the previous micro-batch of this optimizer step (MoELayer.__call__); each layer's
+        stats then hold its copies after this call under "guests"."""
         x = self.embed(tokens)
         stats = []
+        held = iter(previous) if previous is not None else None
         for block in self.blocks:
-            x, layer_stats = block(x)
+            x, layer_stats = block(x, None if held is None or block.moe is None else next(held))
             if layer_stats is not None:
                 stats.append(layer_stats)
         return self.head(self.norm(x)), stats

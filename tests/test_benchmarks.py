@@ -38,6 +38,21 @@ def test_projection_orders_planners_sensibly():
     assert rows["none"]["gain_vs_none"] == 0.0 and rows["ideal"]["share_of_ideal_gain"] == 1.0
 
 
+def test_projection_with_kept_copies_saves_only_weight_transfers():
+    """The same micro-batch twice in one step: the second plans the same copies, every one is held
+    already and ships no weights, so only the weights term falls; GEMM and exchange are unchanged."""
+    topology = Topology.preset("h800-4x8")
+    mats = cluster.model_traces("deepseek-v2-lite", 32, 1, None)[:, :3]
+    mats = np.concatenate([mats, mats])
+    fetched = cluster.project("deepseek-v2-lite", topology, 2, {}, mats, window=8, min_gain=0.0)
+    kept = cluster.project("deepseek-v2-lite", topology, 2, {}, mats, window=8, min_gain=0.0, keep_copies=True)
+    for name in ("none", "ideal"):
+        assert kept[name] == fetched[name]
+    for name in ("eplb", "topoep", "taot"):
+        assert kept[name]["gemm_s"] == fetched[name]["gemm_s"] and kept[name]["exchange_s"] == fetched[name]["exchange_s"]
+        assert 0 < kept[name]["weights_s"] < fetched[name]["weights_s"]
+
+
 def test_gpu_check_finds_the_home_gemms_in_the_schedule(devices):
     """The GPU check reads the compiled layer's schedule; on CPU (dense transport, synchronous
     collectives) it must still find the home-slot GEMMs (gate, up, down) and report no overlap."""

@@ -100,6 +100,14 @@ def test_cost_model_all_inter_node_and_exposed_weights():
     assert t["weights_s"] == pytest.approx(weight + weight)
     assert t["planning_s"] == 1e-4
     assert t["total_s"] == pytest.approx(t["gemm_s"] + t["exchange_s"] + t["weights_s"] + 1e-4)
+    # Rank 3 held that copy from the step's previous micro-batch: only its gradients travel.
+    held = np.array([[-1], [-1], [-1], [0]])
+    kept = layer_time(Plan(slot_expert, np.array(plan.route)), TOPO, DIMS, PLACEMENT, held=held)
+    assert kept["weights_s"] == pytest.approx(weight)
+    # A held expert on another rank, or another expert held, saves nothing.
+    for other in ([[0], [-1], [-1], [-1]], [[-1], [-1], [-1], [1]]):
+        t_other = layer_time(Plan(slot_expert, np.array(plan.route)), TOPO, DIMS, PLACEMENT, held=np.array(other))
+        assert t_other["weights_s"] == pytest.approx(weight + weight)
 
 
 def test_ideal_layer_time_spreads_compute_and_traffic():

@@ -252,3 +252,30 @@ def test_accumulated_gradient_is_the_whole_batch_gradient(devices, tmp_path):
     assert len(leaves_1) == len(leaves_2) > 0
     for a, b in zip(leaves_1, leaves_2):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+
+
+def test_kept_guest_copies_change_no_loss_or_gradient(devices, tmp_path):
+    """moe.keep_copies: a guest copy a rank holds again in the step's second micro-batch is taken
+    from the first instead of fetched; losses and gradients are bitwise those of fetching it."""
+    from jtopoep.topology import make_mesh
+    from train.data import ByteDataset
+    from train.loop import accumulated_grads, create_sharded_model
+
+    results = {}
+    for keep in (True, False):
+        config = tiny(tmp_path, f"keep_{keep}", moe={"keep_copies": keep})
+        topology = config.topology.to_topology()
+        mesh = make_mesh(topology)
+        model = create_sharded_model(config, topology, mesh)
+        batch = ByteDataset(config.data, config.model.seq_len, config.model.vocab_size, 0).batch(0, 16)
+        tokens = jax.device_put(batch.reshape(2, 8, -1), NamedSharding(mesh, P(None, mesh.axis_names)))
+        results[keep] = nnx.jit(lambda m, t, moe=config.moe: accumulated_grads(m, t, moe))(model, tokens)
+    (loss, ce, stats, grads), (loss_f, ce_f, stats_f, grads_f) = results[True], results[False]
+    kept = np.array([s["kept_copies"] for s in stats])  # [layers, micro-batches]
+    made = np.array([s["guest_copies"] for s in stats])
+    assert (kept[:, 0] == 0).all() and kept[:, 1].sum() > 0 and (kept <= made).all()
+    assert (np.array([s["kept_copies"] for s in stats_f]) == 0).all()
+    np.testing.assert_array_equal(made, np.array([s["guest_copies"] for s in stats_f]))
+    assert loss == loss_f and ce == ce_f
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_f), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -91,8 +91,8 @@ def replicate_unplaced(module: nnx.Module, mesh) -> None:
     nnx.update(module, placed)
 
 
-def _losses(model, tokens, moe):
-    logits, stats = model(tokens[:, :-1])
+def _losses(model, tokens, moe, previous=None):
+    logits, stats = model(tokens[:, :-1], previous)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
     aux = sum(s["aux_loss"] for s in stats)
     z = sum(s["z_loss"] for s in stats)
@@ -104,19 +104,28 @@ def accumulated_grads(model, tokens, moe: MoEConfig):
     """(mean loss, mean cross-entropy, per-micro-batch layer stats, gradient of the mean loss) of
     tokens [M, b, L+1], one micro-batch after another (jax.lax.scan): each is routed, planned and
     dispatched on its own, and only one micro-batch's activations are live at a time. The stats are
-    the layers' stats with a leading micro-batch axis [M]. M = 1 is the plain step, with no scan."""
+    the layers' stats with a leading micro-batch axis [M]. M = 1 is the plain step, with no scan.
+
+    With moe.keep_copies, each MoE layer's guest copies go from one micro-batch to the next in the
+    scan's carry, so copies held again are not fetched again (jtopoep.guests); every step starts
+    with none, since the optimizer update changes the weights."""
     if tokens.shape[0] == 1:
         grad_fn = nnx.value_and_grad(lambda m: _losses(m, tokens[0], moe), has_aux=True)
         (loss, (ce, stats)), grads = grad_fn(model)
         return loss, ce, jax.tree.map(lambda a: a[None], stats), grads
+    layers = model.moe_layers()
+    keep = moe.keep_copies and all(layer.makes_copies for layer in layers)
+    held = [layer.no_guest_copies() for layer in layers] if keep else None
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    def micro_batch(total, toks):
-        loss_of = lambda p: _losses(nnx.merge(graphdef, p, rest), toks, moe)  # noqa: E731
+    def micro_batch(carry, toks):
+        total, held = carry
+        loss_of = lambda p: _losses(nnx.merge(graphdef, p, rest), toks, moe, held)  # noqa: E731
         (loss, (ce, stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-        return jax.tree.map(jnp.add, total, grads), (loss, ce, stats)
+        held = [s.pop("guests") for s in stats] if keep else None
+        return (jax.tree.map(jnp.add, total, grads), held), (loss, ce, stats)
 
-    total, (loss, ce, stats) = jax.lax.scan(micro_batch, jax.tree.map(jnp.zeros_like, params), tokens)
+    (total, _), (loss, ce, stats) = jax.lax.scan(micro_batch, (jax.tree.map(jnp.zeros_like, params), held), tokens)
     count = tokens.shape[0]
     return loss.mean(), ce.mean(), stats, jax.tree.map(lambda g: g / count, total)
 
@@ -139,7 +148,8 @@ def make_train_step(moe: MoEConfig, mesh):
             for layer, layer_stats in zip(model.moe_layers(), stats):
                 layer.bias.set_value(bias_update(layer.bias.get_value(), layer_stats["counts"].sum(0),
                                                  moe.bias_update_rate))
-        per_layer = ("imbalance_before", "imbalance_after", "inter_node_pairs", "counts", "dropped_pairs")
+        per_layer = ("imbalance_before", "imbalance_after", "inter_node_pairs", "counts", "dropped_pairs",
+                     "guest_copies", "kept_copies")
         summary = {"loss": loss, "ce": ce, **{k: jnp.stack([s[k] for s in stats], axis=1) for k in per_layer}}
         return jax.lax.with_sharding_constraint(summary, replicated)
 
@@ -281,12 +291,15 @@ class Trainer:
                     f"for room for every pair; last good checkpoint: step {self.checkpointer.latest_step()}")
             self.counts.extend(np.asarray(summary["counts"]))  # one [layers, R, E] entry per micro-batch
             self.count_steps.extend([done] * self.config.train.microbatches)
-            # Per layer: imbalance averaged over the step's micro-batches, inter-node pairs summed.
+            # Per layer: imbalance averaged over the step's micro-batches, pairs and copies summed.
             row = {"step": done, "loss": float(summary["loss"]), "ce": float(summary["ce"]),
                    "tokens_per_s": tokens_per_step / seconds, "step_s": seconds,
                    "imbalance_before": np.asarray(summary["imbalance_before"]).mean(0).round(4).tolist(),
                    "imbalance_after": np.asarray(summary["imbalance_after"]).mean(0).round(4).tolist(),
-                   "inter_node_pairs": np.asarray(summary["inter_node_pairs"]).sum(0).tolist()}
+                   "inter_node_pairs": np.asarray(summary["inter_node_pairs"]).sum(0).tolist(),
+                   # Guest copies made, and those kept from the step's previous micro-batch (not fetched).
+                   "guest_copies": np.asarray(summary["guest_copies"]).sum(0).tolist(),
+                   "kept_copies": np.asarray(summary["kept_copies"]).sum(0).tolist()}
             if done % t.eval_every == 0 or done == t.steps:
                 row["eval_loss"] = self.evaluate()
             self._log(row)

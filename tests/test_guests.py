@@ -1,0 +1,93 @@
+"""Guest-slot weights: fetched from home, or kept from the previous micro-batch (jtopoep.guests)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jtopoep.guests import ExpertWeights, GuestCopies, fetch_guest_weights, kept_slots
+from jtopoep.plan import contiguous_placement
+from jtopoep.topology import Topology, make_mesh
+
+R, E, K, D, F = 8, 16, 3, 5, 4
+SPEC = P(("node", "gpu"))
+PLACEMENT = contiguous_placement(R, E)
+# Every rank's guest experts (-1 empty), none homed on the rank itself (expert e lives on rank e // 2).
+GUESTS = np.array([[5, 9, -1], [0, 14, 7], [1, 12, 6], [9, -1, -1],
+                   [15, 2, 3], [0, 1, 3], [13, 8, -1], [4, 2, 11]], np.int32)
+# The copies held after the previous micro-batch: some again in another column, some gone, some new.
+HELD = np.array([[9, 5, -1], [6, 14, 3], [-1, -1, -1], [9, 10, 11],
+                 [3, 2, 15], [4, 8, 10], [13, 8, 0], [11, 4, 2]], np.int32)
+
+
+def weights(seed=0):
+    rng = np.random.default_rng(seed)
+    return ExpertWeights(*(rng.normal(size=s).astype(np.float32) for s in [(E, D, F), (E, D, F), (E, F, D)]))
+
+
+@functools.lru_cache(maxsize=None)
+def fetcher(keep: bool):
+    """jit(value_and_grad) of sum(cotangent * guest weights) on the 2x4 mesh, and the weights."""
+    topo = Topology.preset("cpu-2x4")
+
+    def body(guests, held, w, held_w, cot):
+        me = jax.lax.axis_index("node") * topo.gpus_per_node + jax.lax.axis_index("gpu")
+        previous = GuestCopies(held, ExpertWeights(*held_w)) if keep else None
+        got = fetch_guest_weights(ExpertWeights(*w), guests, jnp.asarray(PLACEMENT), me, gpus_per_node=topo.gpus_per_node,
+                                  backend="dense", hierarchical=False, previous=previous)
+        loss = sum((g * c).sum() for g, c in zip(got, cot))
+        return jax.lax.psum(loss, ("node", "gpu")), got
+
+    fn = jax.shard_map(body, mesh=make_mesh(topo), in_specs=(P(), P(), SPEC, SPEC, SPEC), out_specs=(P(), SPEC))
+    return jax.jit(jax.value_and_grad(lambda w, *a: fn(a[0], a[1], w, a[2], a[3]), has_aux=True))
+
+
+def held_copies(w, marker):
+    """[R * K, ...] weights of HELD: each held copy is its expert's weights + marker (0: exact copies)."""
+    rows = np.maximum(HELD.reshape(-1), 0)
+    return ExpertWeights(*(np.where((HELD.reshape(-1) >= 0)[:, None, None], x[rows] + marker, 0).astype(np.float32)
+                           for x in w))
+
+
+def test_kept_slots_are_the_experts_the_rank_still_holds():
+    kept = np.asarray(kept_slots(jnp.asarray(GUESTS), jnp.asarray(HELD)))
+    expected = np.array([[g >= 0 and g in HELD[d] for g in GUESTS[d]] for d in range(R)])
+    np.testing.assert_array_equal(kept, expected)
+    assert kept.sum() == 12 and not kept[0, 2]  # an empty slot is never kept, even where -1 is held
+
+
+def test_fetch_puts_each_experts_weights_in_its_slot_and_sends_gradients_home():
+    w = weights()
+    cot = weights(1)
+    cot = ExpertWeights(*(np.resize(c, (R * K,) + c.shape[1:]) for c in cot))
+    (_, got), grads = fetcher(False)(w, GUESTS, HELD, held_copies(w, 0.0), cot)
+    for x, g, c, dw in zip(w, got, cot, grads):
+        rows = GUESTS.reshape(-1)
+        np.testing.assert_array_equal(np.asarray(g), np.where((rows >= 0)[:, None, None], x[np.maximum(rows, 0)], 0))
+        # Each expert's gradient: the cotangents of the slots holding it.
+        expected = np.zeros_like(x)
+        np.add.at(expected, rows[rows >= 0], c[rows >= 0])
+        np.testing.assert_allclose(np.asarray(dw), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_kept_copies_are_taken_locally_with_the_same_values_and_gradients():
+    w = weights()
+    cot = weights(1)
+    cot = ExpertWeights(*(np.resize(c, (R * K,) + c.shape[1:]) for c in cot))
+    (loss, fetched), grads = fetcher(False)(w, GUESTS, HELD, held_copies(w, 0.0), cot)
+    (loss_kept, kept), grads_kept = fetcher(True)(w, GUESTS, HELD, held_copies(w, 0.0), cot)
+    # Exact copies held: bitwise the fetch, and the same gradient (every slot's goes home).
+    assert loss_kept == loss
+    for a, b in zip(fetched + grads, kept + grads_kept):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Marked copies show which slots were taken from what the rank held: exactly the kept ones.
+    (_, marked), grads_marked = fetcher(True)(w, GUESTS, HELD, held_copies(w, 1000.0), cot)
+    is_kept = np.asarray(kept_slots(jnp.asarray(GUESTS), jnp.asarray(HELD))).reshape(-1)
+    rows = np.maximum(GUESTS.reshape(-1), 0)
+    for x, a, b in zip(w, fetched, marked):
+        marked_copy = (x[rows] + np.float32(1000.0)).astype(np.float32)
+        np.testing.assert_array_equal(np.asarray(b), np.where(is_kept[:, None, None], marked_copy, np.asarray(a)))
+    for a, b in zip(grads, grads_marked):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
