@@ -171,7 +171,7 @@ def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, m
             counts = dep.expand(raw)
             history.append((layer, counts))
             for name, fn in planners.items():
-                plan = jax.device_get(fn(counts))
+                plan = jax.device_get(fn(counts, placement, held.get((name, layer))))
                 timed(name, layer, plan, latency_s.get(name, 0.0) if name != "none" else 0.0)
             # eplb_host: placement from the mean of the previous window's loads of this layer.
             past = [c for (l, c) in history[:-1] if l == layer][-window:]

@@ -2,6 +2,7 @@
 
 1. the `ragged` transport (jax.lax.ragged_all_to_all) against the exact `dense` emulation: the MoE
    layer's output and gradients on a mesh of the GPUs present, every planner, flat and hierarchical;
+   and the guest-weight fetch with copies kept from a previous micro-batch (values and gradients);
 2. planner latency on the GPU (R = 32, E = 256, K = 2, jitted, median), beside the host eplb planner,
    and whether every loop of the compiled planners has a known trip count (else XLA:GPU reads its exit
    test on the host after every iteration: jtopoep/planners/loops.py);
@@ -88,6 +89,40 @@ def check_ragged(out: dict) -> None:
             print(f"ragged vs dense {name} hierarchical={hierarchical}: max |diff| {err:.2e}", flush=True)
     out["ragged_vs_dense"] = {"mesh": f"{topology.num_nodes}x{topology.gpus_per_node}", "rows": results,
                               "all_ok": all(r["ok"] for r in results)}
+
+
+def check_kept_copies(out: dict, backend: str = "ragged") -> None:
+    """Guest weights with copies kept from a previous micro-batch (jtopoep.guests), `backend`
+    against `dense`: the fetched weights and the weights' gradient (the custom VJP's transpose of a
+    ragged all-to-all)."""
+    from jtopoep.guests import GuestCopies, fetch_guest_weights
+
+    topology, mesh, args, experts = layer_inputs()
+    ranks, slots = topology.num_ranks, 2
+    rng = np.random.default_rng(1)
+    home = np.arange(experts) // (experts // ranks)
+    guests = np.array([rng.choice(np.flatnonzero(home != d), slots, replace=False) for d in range(ranks)], np.int32)
+    held = np.where(rng.uniform(size=guests.shape) < 0.5, guests, -1).astype(np.int32)[:, ::-1].copy()
+    w = args[3:]
+    copies = [np.asarray(x)[np.maximum(held.reshape(-1), 0)] for x in jax.device_get(w)]
+    placement = contiguous_placement(ranks, experts)
+    results = []
+    for each in (backend, "dense"):
+        def body(wg, wu, wd, cg, cu, cd, backend=each):
+            me = jax.lax.axis_index("node") * topology.gpus_per_node + jax.lax.axis_index("gpu")
+            got = fetch_guest_weights(ExpertWeights(wg, wu, wd), guests, placement, me,
+                                      gpus_per_node=topology.gpus_per_node, backend=backend, hierarchical=False,
+                                      previous=GuestCopies(held, ExpertWeights(cg, cu, cd)))
+            return jax.lax.psum(sum((g ** 2).sum() for g in got), ("node", "gpu")), got
+
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(SPEC,) * 6, out_specs=(P(), ExpertWeights(SPEC, SPEC, SPEC)))
+        grad = jax.jit(jax.value_and_grad(lambda *a: fn(*a), argnums=(0, 1, 2), has_aux=True))
+        results.append(jax.device_get(grad(*w, *copies)))
+    err = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+              for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])))
+    out["kept_copies"] = {"backend": backend, "max_abs_diff_vs_dense": err, "ok": err <= 1e-5,
+                          "kept": int(((guests[:, :, None] == held[:, None, :]) & (held[:, None, :] >= 0)).any(2).sum())}
+    print(f"kept copies, {backend} vs dense: max |diff| {err:.2e}", flush=True)
 
 
 def planner_latency(out: dict) -> None:
@@ -177,7 +212,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     out = {"devices": [d.device_kind for d in jax.devices()], "backend": jax.default_backend()}
-    for step in (check_ragged, planner_latency, grouped_gemm, guest_overlap):
+    for step in (check_ragged, check_kept_copies, planner_latency, grouped_gemm, guest_overlap):
         try:
             step(out)
         except Exception as err:  # record and go on: one failing check must not hide the others

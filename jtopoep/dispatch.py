@@ -151,7 +151,8 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
     recv_rows: rows of each rank's receive buffer, which the grouped GEMM runs over; default (and at
     most) R * T * k, which always suffices. See the module docstring for what a smaller one does.
     previous: the guest copies this layer held after the previous micro-batch of the same optimizer
-    step (its DispatchStats.guests); guest slots that hold one of them again are not fetched
+    step (its DispatchStats.guests). The planner is told which experts each rank holds (topoep keeps
+    a copy where that balances as well), and guest slots that hold one again are not fetched
     (jtopoep.guests). Only valid while the weights are unchanged: start each step without it."""
     topology = planner.topology
     gpus = topology.gpus_per_node
@@ -168,7 +169,7 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
         if isinstance(planner, NonePlanner):
             plan = home_plan(counts, placement, 0)  # fast path: no guest slots at all
         else:
-            plan = planner(counts, placement)
+            plan = planner(counts, placement, None if previous is None else previous.experts)
     home = placement.shape[1]
     num_slots = plan.slot_expert.shape[1]
     worst = num_ranks * num_pairs  # every source sends all its pairs here

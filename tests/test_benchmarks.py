@@ -63,3 +63,13 @@ def test_gpu_check_finds_the_home_gemms_in_the_schedule(devices):
     found = out["guest_overlap"]
     assert len(found["home_gemms"]) == 3 and not found["async_starts"]
     assert found["home_gemms_inside_transfer"] is False
+
+
+def test_gpu_check_of_kept_copies_runs(devices):
+    """The GPU check of kept guest copies, with the dense transport on both sides on CPU."""
+    from benchmarks import gpu_check
+
+    out = {}
+    gpu_check.check_kept_copies(out, backend="dense")
+    assert out["kept_copies"]["ok"] and out["kept_copies"]["max_abs_diff_vs_dense"] == 0.0
+    assert out["kept_copies"]["kept"] > 0

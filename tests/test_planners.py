@@ -1,3 +1,5 @@
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -163,3 +165,41 @@ def test_loops_with_a_static_trip_count_give_the_same_plans(monkeypatch):
                 counts = adversarial(kind, 8 * R, 300 + 97 * seed, seed)
                 for a, b in zip(early(counts), fixed(counts)):
                     assert np.array_equal(np.asarray(a), np.asarray(b)), (name, kind, seed)
+
+
+@functools.lru_cache(maxsize=None)
+def unpriced_topoep():
+    """topoep without expert shapes: every copy is free, so it makes them at the tests' tiny sizes."""
+    return jax.jit(get_planner("topoep", topology=TOPO, num_experts=8 * R, guest_slots=2))
+
+
+@settings(max_examples=40)
+@given(load=loads)
+def test_plans_given_held_copies_are_valid(load):
+    """held (the guest experts each rank holds from the previous micro-batch): every plan stays
+    valid, and topoep's (unpriced, so that it makes copies here) stays no worse than no balancing."""
+    counts = adversarial(load[0], 8 * R, load[1], load[2])
+    held = np.random.default_rng(load[2]).integers(-1, 8 * R, size=(R, 2)).astype(np.int32)
+    for name in ("eplb", "topoep", "taot"):
+        check_plan(jitted(name, 8 * R, 2)[1](counts, None, held), counts)
+    told = unpriced_topoep()(counts, None, held)
+    check_plan(told, counts)
+    assert imbalance(told) <= imbalance(jitted("none", 8 * R, 0)[1](counts)) + 1e-6
+
+
+def test_topoep_puts_a_copy_where_it_is_held_when_that_balances_as_well():
+    """Expert 0 (rank 0) spills 40 pairs. Ranks 5 and 6 (node 1) have room for all of it, rank 5 one
+    pair more, so topoep copies it onto rank 5; told that rank 6 holds expert 0, onto rank 6."""
+    counts = np.full((R, 8 * R), 2, np.int32)
+    counts[:, 0] = 6
+    counts[:, 40:56] = 1  # the home experts of ranks 5 and 6
+    counts[0, 48] = 2
+    plain = unpriced_topoep()(counts)
+    held = np.full((R, 2), -1, np.int32)
+    held[6, 1] = 0
+    told = unpriced_topoep()(counts, None, held)
+    check_plan(told, counts)
+    assert (np.asarray(told.slot_expert)[6, 8:] == 0).any() and not (np.asarray(plain.slot_expert)[6, 8:] == 0).any()
+    assert imbalance(told) == imbalance(plain)
+    with pytest.raises(ValueError, match=r"held has shape \(8, 3\)"):
+        get_planner("topoep", topology=TOPO, num_experts=8 * R, guest_slots=2)(counts, None, np.full((R, 3), -1))

@@ -24,7 +24,7 @@ from jtopoep.topology import Topology
 
 @dataclasses.dataclass(frozen=True)
 class PlannerBase:
-    """Static settings shared by every planner. Subclasses implement `_plan(counts, placement)`.
+    """Static settings shared by every planner. Subclasses implement `_plan(counts, placement, held)`.
 
     min_gain: a copy must save at least min_gain x the time of shipping its weights out and its
     gradients back (copy_break_even_pairs), ignoring any overlap; 0 turns the check off. It needs `dims`.
@@ -70,19 +70,28 @@ class PlannerBase:
         intra, inter = copy_break_even_pairs(self.topology, self.dims)
         return self.min_gain * intra, self.min_gain * inter
 
-    def __call__(self, counts, placement=None) -> Plan:
+    def __call__(self, counts, placement=None, held=None) -> Plan:
+        """The plan for counts [R, E] with home experts placement [R, H] (default contiguous).
+
+        held: [R, K] the guest experts each rank holds from the previous micro-batch of the same
+        optimizer step (-1 empty; moe.keep_copies), which it can keep without a transfer. topoep
+        puts a copy on a rank that holds it wherever that balances as well; the other planners place
+        copies without regard to it."""
         num_ranks, num_experts = counts.shape
         if (num_ranks, num_experts) != (self.num_ranks, self.num_experts):
             raise ValueError(f"counts has shape {counts.shape}; this planner expects "
                              f"({self.num_ranks}, {self.num_experts})")
+        if held is not None and tuple(held.shape) != (self.num_ranks, self.guest_slots):
+            raise ValueError(f"held has shape {tuple(held.shape)}; it must be [R, K] = "
+                             f"({self.num_ranks}, {self.guest_slots}), the guest experts of each rank")
         if placement is None:
             placement = jnp.arange(num_experts, dtype=jnp.int32).reshape(num_ranks, self.home_slots)
         counts, placement = jnp.asarray(counts, jnp.int32), jnp.asarray(placement, jnp.int32)
         if self.guest_slots == 0:  # no slot to copy into: every planner reduces to the home plan
             return home_plan(counts, placement, 0)
-        return self._plan(counts, placement)
+        return self._plan(counts, placement, None if held is None else jnp.asarray(held, jnp.int32))
 
-    def _plan(self, counts, placement) -> Plan:
+    def _plan(self, counts, placement, held) -> Plan:
         raise NotImplementedError
 
 

@@ -69,7 +69,8 @@ def eplb_slots(counts, placement, guest_slots: int, min_pairs: float, xp):
 
 @dataclasses.dataclass(frozen=True)
 class EplbPlanner(PlannerBase):
-    def _plan(self, counts, placement) -> Plan:
+    def _plan(self, counts, placement, held) -> Plan:
+        del held  # copies are placed without regard to what ranks hold already
         slot_expert, quota = eplb_slots(counts, placement, self.guest_slots, self.gain_thresholds()[0], jnp)
         return plan_from_quotas(counts, slot_expert, quota, self.topology.gpus_per_node, False, jnp)
 

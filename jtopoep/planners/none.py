@@ -10,5 +10,6 @@ from jtopoep.planners.common import PlannerBase
 
 @dataclasses.dataclass(frozen=True)
 class NonePlanner(PlannerBase):
-    def _plan(self, counts, placement) -> Plan:
+    def _plan(self, counts, placement, held) -> Plan:
+        del held  # copies are placed without regard to what ranks hold already
         return home_plan(counts, placement, self.guest_slots)

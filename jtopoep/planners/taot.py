@@ -74,7 +74,8 @@ class TaotPlanner(PlannerBase):
         demand = jnp.maximum(mean - rank_loads, 0.0)
         return sinkhorn(supply, demand, jnp.asarray(self.topology.link_cost()), self.epsilon, self.iterations)
 
-    def _plan(self, counts, placement) -> Plan:
+    def _plan(self, counts, placement, held) -> Plan:
+        del held  # copies are placed without regard to what ranks hold already
         num_ranks, num_experts = counts.shape
         slots = self.guest_slots
         loads = counts.sum(0)

@@ -10,7 +10,8 @@
    saves the most inter-node bytes (its own pairs of the expert that stop crossing the scale-out
    link, minus the weights and gradients that must cross it) wins, and among nodes within 10% of
    that saving the one that absorbs the most, so each copy fills a rank or ends the spill;
-   intra-node refinement: within that node, the least-loaded free rank (most room);
+   intra-node refinement: within that node, the least-loaded free rank (most room), or a rank that
+   holds the expert from the step's previous micro-batch (`held`) and absorbs as much;
    a copy must save more GEMM time on the hot rank than the weight-transfer time it exposes under the
    cost model (pricing.TransferClock: transfers hide behind home-slot GEMMs until those run out) and
    pass the min-gain test for its link class, else the expert's remaining spill stays home;
@@ -44,7 +45,7 @@ from jtopoep.planners.pricing import copy_exposure, node_link_class
 
 @dataclasses.dataclass(frozen=True)
 class TopoEPPlanner(PlannerBase):
-    def _plan(self, counts, placement) -> Plan:
+    def _plan(self, counts, placement, held) -> Plan:
         num_ranks, num_experts = counts.shape
         nodes, gpus, slots = self.topology.num_nodes, self.gpus_per_node, self.guest_slots
         loads = counts.sum(0)
@@ -67,6 +68,8 @@ class TopoEPPlanner(PlannerBase):
         crossing0 = uncovered_node_pairs(counts, loads, spill0, cand, cand_home, gpus)  # [N, C]
         never = jnp.int32(-1)
         rank_remote = node_link_class(self.topology)  # [R, R] across nodes
+        # [R, C] the rank holds the candidate from the step's previous micro-batch (no transfer).
+        held_cand = None if held is None else (held[:, :, None] == cand[None, None, :]).any(1)
 
         def step(carry):
             state, crossing = carry
@@ -82,7 +85,14 @@ class TopoEPPlanner(PlannerBase):
                 qualifies &= take >= jnp.where(rank_remote[home], thr_inter, thr_intra)
             room_free = jnp.where(qualifies, state.room, never).reshape(nodes, gpus)
             absorb = jnp.minimum(need, room_free.max(1))  # [N]
-            dest = node_ids * gpus + first_argmax(room_free, axis=1)  # [N] each node's best rank
+            best = first_argmax(room_free, axis=1)  # [N] each node's rank with the most room
+            if held_cand is not None:
+                # A rank that holds e already and absorbs as much as the node's best keeps its copy
+                # and ships no weights: it takes the copy instead.
+                keeps = (held_cand[:, e].reshape(nodes, gpus) & (room_free > 0)
+                         & (jnp.minimum(need, room_free) >= absorb[:, None]))
+                best = jnp.where(keeps.any(1), first_argmax(keeps, axis=1), best)
+            dest = node_ids * gpus + best  # [N]
             moved = absorb.astype(jnp.float32)
             usable = absorb > 0
             saved = (jnp.minimum(moved, crossing[:, e]) * pair_bytes - jnp.where(remote[:, e], copy_bytes, 0.0))
