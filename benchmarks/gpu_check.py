@@ -26,6 +26,7 @@ import json
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -110,9 +111,9 @@ def check_kept_copies(out: dict, backend: str = "ragged") -> None:
     for each in (backend, "dense"):
         def body(wg, wu, wd, cg, cu, cd, backend=each):
             me = jax.lax.axis_index("node") * topology.gpus_per_node + jax.lax.axis_index("gpu")
-            got = fetch_guest_weights(ExpertWeights(wg, wu, wd), guests, placement, me,
+            got = fetch_guest_weights(ExpertWeights(wg, wu, wd), jnp.asarray(guests), placement, me,
                                       gpus_per_node=topology.gpus_per_node, backend=backend, hierarchical=False,
-                                      previous=GuestCopies(held, ExpertWeights(cg, cu, cd)))
+                                      previous=GuestCopies(jnp.asarray(held), ExpertWeights(cg, cu, cd)))
             return jax.lax.psum(sum((g ** 2).sum() for g in got), ("node", "gpu")), got
 
         fn = jax.shard_map(body, mesh=mesh, in_specs=(SPEC,) * 6, out_specs=(P(), ExpertWeights(SPEC, SPEC, SPEC)))
@@ -150,8 +151,6 @@ def grouped_gemm(out: dict, d: int = 2048, f: int = 1408, rows: int = 4096 * 6) 
     bfloat16) over 4 slots holding 24576 real rows (4096 tokens x top-6), in buffers of 1, 2 and 32
     times that many rows."""
     import time
-
-    import jax.numpy as jnp
 
     slots = 4
     rng = np.random.default_rng(0)

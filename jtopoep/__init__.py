@@ -2,7 +2,8 @@
 
 from jtopoep.config import MoEConfig, RunConfig, load_config
 from jtopoep.costmodel import ExpertDims, layer_time
-from jtopoep.dispatch import ExpertWeights, moe_dispatch
+from jtopoep.dispatch import moe_dispatch
+from jtopoep.guests import ExpertWeights, GuestCopies
 from jtopoep.layer import MoELayer
 from jtopoep.metrics import summarize
 from jtopoep.plan import Plan, check_plan, home_plan
@@ -12,6 +13,6 @@ from jtopoep.transport import exchange
 
 __version__ = "0.1.0"
 
-__all__ = ["ExpertDims", "ExpertWeights", "MoEConfig", "MoELayer", "Plan", "RunConfig", "Topology",
+__all__ = ["ExpertDims", "ExpertWeights", "GuestCopies", "MoEConfig", "MoELayer", "Plan", "RunConfig", "Topology",
            "check_plan", "exchange", "get_planner", "home_plan", "layer_time", "load_config", "make_mesh",
            "moe_dispatch", "summarize"]

@@ -16,7 +16,7 @@ and its home rank does not send it (with the ragged transport those rows are nev
 The backward pass is unchanged: every guest slot's gradient goes home in its own micro-batch, as if
 every copy had been fetched (a custom VJP, because autodiff would otherwise stop at the kept copy,
 which is carried state, not a function of the parameters). So keeping copies saves the forward
-weight transfers and leaves losses and gradients bitwise as they were.
+weight transfers; for the same plan, losses and gradients are bitwise those of fetching every copy.
 """
 
 from __future__ import annotations

@@ -79,11 +79,13 @@ class MoELayer(nnx.Module):
         return self.moe.guest_slots > 0 and self.moe.planner != "none"
 
     def no_guest_copies(self) -> GuestCopies:
-        """The copies held before a step's first micro-batch: none (zeros in the compute dtype)."""
-        num_ranks = self.topology.num_ranks
-        shapes = [w.shape for w in (self.w_gate, self.w_up, self.w_down)]
-        return GuestCopies.empty(num_ranks, self.moe.guest_slots,
-                                 ExpertWeights(*(jax.ShapeDtypeStruct(s, self.dtype) for s in shapes)))
+        """The copies held before a step's first micro-batch: none. Held copies are per device
+        (experts [devices, R, K], weights [devices * K, ...], both sharded over every mesh axis):
+        expert-parallel groups side by side on a "data" axis plan their own copies."""
+        devices, num_ranks, slots = self.mesh.size, self.topology.num_ranks, self.moe.guest_slots
+        return GuestCopies(jnp.full((devices, num_ranks, slots), -1, jnp.int32),
+                           ExpertWeights(*(jnp.zeros((devices * slots,) + w.shape[1:], self.dtype)
+                                           for w in (self.w_gate, self.w_up, self.w_down))))
 
     def __call__(self, x: Float[Array, "B L D"],
                  previous: GuestCopies | None = None) -> tuple[Float[Array, "B L D"], dict]:
@@ -106,6 +108,8 @@ class MoELayer(nnx.Module):
 
         def body(x, router, w_gate, w_up, w_down, bias, previous):
             b, length, d = x.shape
+            if keep:
+                previous = GuestCopies(previous.experts[0], previous.weights)  # this device's [R, K]
             tokens = x.reshape(b * length, d)
             with jax.named_scope("route"):
                 routed = route(tokens.astype(jnp.float32) @ router, self.top_k, moe.score_fn,
@@ -130,21 +134,18 @@ class MoELayer(nnx.Module):
             # Copies held from the previous micro-batch, so not fetched: the weight transfers saved.
             per_device["kept_copies"] = (kept_slots(guests, previous.experts).sum(dtype=jnp.int32) if keep
                                          else jnp.zeros((), jnp.int32))
-            held = None
-            if keep:
-                per_device["guest_experts"] = stats.guests.experts
-                held = stats.guests.weights
+            held = GuestCopies(stats.guests.experts[None], stats.guests.weights) if keep else None
             return y.reshape(b, length, d), scalars, jax.tree.map(lambda a: a[None], per_device), held
 
         stats_spec = {"aux_loss": P(), "z_loss": P()}
-        previous_spec = GuestCopies(P(), ExpertWeights(expert_spec, expert_spec, expert_spec)) if keep else P()
+        held_spec = GuestCopies(token_spec, ExpertWeights(token_spec, token_spec, token_spec)) if keep else P()
         fn = jax.shard_map(body, mesh=self.mesh,
-                           in_specs=(token_spec, P(), expert_spec, expert_spec, expert_spec, P(), previous_spec),
-                           out_specs=(token_spec, stats_spec, P(batch_axes), previous_spec.weights if keep else P()))
+                           in_specs=(token_spec, P(), expert_spec, expert_spec, expert_spec, P(), held_spec),
+                           out_specs=(token_spec, stats_spec, P(batch_axes), held_spec))
         w_gate, w_up, w_down = (w.get_value().astype(x.dtype) for w in (self.w_gate, self.w_up, self.w_down))
         y, scalars, per_device, held = fn(x, self.router.get_value(), w_gate, w_up, w_down, bias, previous)
         # Every rank of an expert-parallel group holds the same counts and plan: report the first group's.
         stats = {**scalars, **jax.tree.map(lambda a: a[0], per_device)}
         if keep:
-            stats["guests"] = GuestCopies(stats.pop("guest_experts"), held)
+            stats["guests"] = held
         return y, stats
