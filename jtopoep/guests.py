@@ -40,19 +40,10 @@ class ExpertWeights(NamedTuple):
 
 
 class GuestCopies(NamedTuple):
-    """A layer's guest copies after one micro-batch, for the next micro-batch of the same step.
-
-    Inside shard_map `weights` is this rank's [K, ...]; outside it is [R * K, ...], sharded over
-    ("node", "gpu") like the expert weights, and `experts` is replicated."""
+    """A layer's guest copies after one micro-batch, for the next micro-batch of the same step, as
+    one rank sees them inside shard_map (MoELayer carries them per device outside it)."""
     experts: Int[Array, "R K"]  # every rank's guest-slot experts, -1 empty (the plan's guest columns)
     weights: ExpertWeights  # this rank's guest-slot weights, zeros in empty slots
-
-    @classmethod
-    def empty(cls, num_ranks: int, guest_slots: int, weights: ExpertWeights) -> "GuestCopies":
-        """No copies held: the first micro-batch of a step. weights: the [E, ...] expert weights
-        (or any array with their trailing shape and dtype)."""
-        return cls(jnp.full((num_ranks, guest_slots), -1, jnp.int32),
-                   ExpertWeights(*(jnp.zeros((num_ranks * guest_slots,) + w.shape[1:], w.dtype) for w in weights)))
 
 
 def kept_slots(guests: Int[Array, "R K"], held: Int[Array, "R K"]) -> jax.Array:
