@@ -10,9 +10,10 @@ micro-batches from the mean of the last window's loads, as deployed systems do),
 ideal (the baseline's pairs and token traffic spread perfectly evenly over the ranks, with no
 planning or weight-transfer cost: costmodel.ideal_layer_time).
 Settings: K = 2 guest slots (the headline), K = 1 and 4, half and double the inter-node bandwidth,
-and the --microbatches micro-batches as the gradient-accumulation micro-batches of one optimizer
+and --keep-microbatches micro-batches as the gradient-accumulation micro-batches of one optimizer
 step, where a rank that holds a guest copy again keeps it from the previous micro-batch and ships
-no weights for it (moe.keep_copies; its gradients still go home).
+no weights for it (moe.keep_copies; its gradients still go home). The DeepSeek-V2-Lite traces hold
+3 micro-batches of 32 ranks, so a fourth repeats the first (never the one before it).
 Planning latency: the planner benchmark's jitted CPU median in its own configuration (calls inline,
 jtopoep.xla_cpu's settings; benchmarks/results/planners.json), stated as a CPU figure until a GPU
 one exists.
@@ -158,6 +159,9 @@ def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, m
     history = []
     held = {}  # (planner, layer) -> the guest experts of that layer's previous micro-batch
     home = placement.shape[1]
+    # Nothing held yet: all -1, which plans as held=None does, under the same compiled planner.
+    nothing = {name: np.full((topology.num_ranks, 0 if name == "none" else guest_slots), -1, np.int32)
+               for name in planners}
 
     def timed(name, layer, plan, planning_s):
         t = layer_time(plan, topology, dims, placement, planning_s, held.get((name, layer)))
@@ -171,7 +175,7 @@ def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, m
             counts = dep.expand(raw)
             history.append((layer, counts))
             for name, fn in planners.items():
-                plan = jax.device_get(fn(counts, placement, held.get((name, layer))))
+                plan = jax.device_get(fn(counts, placement, held.get((name, layer), nothing[name])))
                 timed(name, layer, plan, latency_s.get(name, 0.0) if name != "none" else 0.0)
             # eplb_host: placement from the mean of the previous window's loads of this layer.
             past = [c for (l, c) in history[:-1] if l == layer][-window:]
@@ -274,6 +278,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--model", action="append", choices=MODELS, help="repeatable; default: all presets")
     parser.add_argument("--trace", help="a routing trace recorded by the trainer (counts.npz)")
     parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--keep-microbatches", type=int, default=4,
+                        help="micro-batches of the optimizer step in the setting where guest copies are kept")
     parser.add_argument("--window", type=int, default=8, help="eplb_host re-planning period and window")
     parser.add_argument("--min-gain", type=float, default=0.0)
     parser.add_argument("--no-sensitivity", action="store_true")
@@ -288,13 +294,15 @@ def main(argv=None) -> dict:
         settings += [("K=1", base_topology, 1, False), ("K=4", base_topology, 4, False),
                      ("K=2, inter-node bandwidth x0.5", dataclasses.replace(base_topology, inter_bw=base_topology.inter_bw / 2), 2, False),
                      ("K=2, inter-node bandwidth x2", dataclasses.replace(base_topology, inter_bw=base_topology.inter_bw * 2), 2, False),
-                     (f"K=2, the {args.microbatches} micro-batches one step, guest copies kept between them",
+                     (f"K=2, {args.keep_microbatches} micro-batches a step, guest copies kept between them",
                       base_topology, 2, True)]
     mats = {m: model_traces(m, base_topology.num_ranks, args.microbatches, args.trace) for m in models}
+    kept_mats = {m: model_traces(m, base_topology.num_ranks, args.keep_microbatches, args.trace) for m in models}
     results = {"topology": args.topology, "tokens_per_gpu": TOKENS_PER_GPU, "min_gain": args.min_gain,
                "planning_latency_s": latency, "headline": "K=2", "settings": {}}
     for label, topology, k, keep in settings:
-        results["settings"][label] = {m: project(m, topology, k, latency, mats[m], args.window, args.min_gain, keep)
+        results["settings"][label] = {m: project(m, topology, k, latency, (kept_mats if keep else mats)[m], args.window,
+                                                 args.min_gain, keep)
                                       for m in models}
         print(label, "done", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -75,8 +75,8 @@ class PlannerBase:
 
         held: [R, K] the guest experts each rank holds from the previous micro-batch of the same
         optimizer step (-1 empty; moe.keep_copies), which it can keep without a transfer. topoep
-        puts a copy on a rank that holds it wherever that balances as well; the other planners place
-        copies without regard to it."""
+        puts a copy on a rank that holds it wherever that balances as well, taot charges such a copy
+        only its gradients' transfer, eplb places copies without regard to it."""
         num_ranks, num_experts = counts.shape
         if (num_ranks, num_experts) != (self.num_ranks, self.num_experts):
             raise ValueError(f"counts has shape {counts.shape}; this planner expects "

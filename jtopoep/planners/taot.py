@@ -9,7 +9,8 @@
    room left on l) and its score m * (1 + 1e-3 / (1 + M[h, l])) + min(m, F left on (h, l))
    + a * min(m, X left on (node of l, e)) - b * P * M[h, l], X being e's pairs from each node that no
    copy there takes yet (common.uncovered_node_pairs) and P the copy's weight and gradient bytes in
-   pairs' worth of exchange bytes: large moves first (each fills a rank or ends a spill, so few
+   pairs' worth of exchange bytes (its gradient bytes only where l holds e from the step's previous
+   micro-batch, `held`): large moves first (each fills a rank or ends a spill, so few
    slots reach the balance bound), raised for the pairs the transport plan supports and for the
    pairs l's node feeds itself (they stop crossing), lowered by what shipping the copy costs over
    its link, the cheaper link on ties; the best move is made and charged against F[h, l] and X.
@@ -75,7 +76,6 @@ class TaotPlanner(PlannerBase):
         return sinkhorn(supply, demand, jnp.asarray(self.topology.link_cost()), self.epsilon, self.iterations)
 
     def _plan(self, counts, placement, held) -> Plan:
-        del held  # copies are placed without regard to what ranks hold already
         num_ranks, num_experts = counts.shape
         slots = self.guest_slots
         loads = counts.sum(0)
@@ -105,6 +105,10 @@ class TaotPlanner(PlannerBase):
         else:
             copy_pairs = 2.0 * self.dims.expert_bytes / (EXCHANGES_PER_LAYER * self.dims.pair_bytes)
             ship = self.weight_cost * copy_pairs * cost[home]  # [C, R]
+            if held is not None:
+                # A copy the rank holds from the step's previous micro-batch ships only its gradients.
+                holds = (held[None, :, :] == cand[:, None, None]).any(2)  # [C, R]
+                ship = jnp.where(holds, 0.5 * ship, ship)
         cand_ids = jnp.arange(num_cand)
 
         def step(carry):
