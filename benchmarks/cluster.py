@@ -11,8 +11,8 @@ ideal (the baseline's pairs and token traffic spread perfectly evenly over the r
 planning or weight-transfer cost: costmodel.ideal_layer_time).
 Settings: K = 2 guest slots (the headline), K = 1 and 4, half and double the inter-node bandwidth,
 and --keep-microbatches micro-batches as the gradient-accumulation micro-batches of one optimizer
-step, where a rank that holds a guest copy again keeps it from the previous micro-batch and ships
-no weights for it (moe.keep_copies; its gradients still go home). The DeepSeek-V2-Lite traces hold
+step, once fetching every copy and once where a rank that holds a guest copy again keeps it from the
+previous micro-batch and ships no weights for it (moe.keep_copies; its gradients still go home). The DeepSeek-V2-Lite traces hold
 3 micro-batches of 32 ranks, so a fourth repeats the first (never the one before it).
 Planning latency: the planner benchmark's jitted CPU median in its own configuration (calls inline,
 jtopoep.xla_cpu's settings; benchmarks/results/planners.json), stated as a CPU figure until a GPU
@@ -279,7 +279,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--trace", help="a routing trace recorded by the trainer (counts.npz)")
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--keep-microbatches", type=int, default=4,
-                        help="micro-batches of the optimizer step in the setting where guest copies are kept")
+                        help="micro-batches of one optimizer step in the settings that fetch or keep guest copies")
     parser.add_argument("--window", type=int, default=8, help="eplb_host re-planning period and window")
     parser.add_argument("--min-gain", type=float, default=0.0)
     parser.add_argument("--no-sensitivity", action="store_true")
@@ -289,20 +289,23 @@ def main(argv=None) -> dict:
     models = args.model or list(MODELS)
     latency = planning_latency(RESULTS / "planners.json")
     base_topology = Topology.preset(args.topology)
-    settings = [("K=2", base_topology, 2, False)]
-    if not args.no_sensitivity:
-        settings += [("K=1", base_topology, 1, False), ("K=4", base_topology, 4, False),
-                     ("K=2, inter-node bandwidth x0.5", dataclasses.replace(base_topology, inter_bw=base_topology.inter_bw / 2), 2, False),
-                     ("K=2, inter-node bandwidth x2", dataclasses.replace(base_topology, inter_bw=base_topology.inter_bw * 2), 2, False),
-                     (f"K=2, {args.keep_microbatches} micro-batches a step, guest copies kept between them",
-                      base_topology, 2, True)]
     mats = {m: model_traces(m, base_topology.num_ranks, args.microbatches, args.trace) for m in models}
-    kept_mats = {m: model_traces(m, base_topology.num_ranks, args.keep_microbatches, args.trace) for m in models}
+    # (label, topology, K, guest copies kept between micro-batches, micro-batches per model)
+    settings = [("K=2", base_topology, 2, False, mats)]
+    if not args.no_sensitivity:
+        half = dataclasses.replace(base_topology, inter_bw=base_topology.inter_bw / 2)
+        double = dataclasses.replace(base_topology, inter_bw=base_topology.inter_bw * 2)
+        one_step = {m: model_traces(m, base_topology.num_ranks, args.keep_microbatches, args.trace) for m in models}
+        steps = f"{args.keep_microbatches} micro-batches a step"
+        settings += [("K=1", base_topology, 1, False, mats), ("K=4", base_topology, 4, False, mats),
+                     ("K=2, inter-node bandwidth x0.5", half, 2, False, mats),
+                     ("K=2, inter-node bandwidth x2", double, 2, False, mats),
+                     (f"K=2, {steps}, every copy fetched", base_topology, 2, False, one_step),
+                     (f"K=2, {steps}, guest copies kept between them", base_topology, 2, True, one_step)]
     results = {"topology": args.topology, "tokens_per_gpu": TOKENS_PER_GPU, "min_gain": args.min_gain,
                "planning_latency_s": latency, "headline": "K=2", "settings": {}}
-    for label, topology, k, keep in settings:
-        results["settings"][label] = {m: project(m, topology, k, latency, (kept_mats if keep else mats)[m], args.window,
-                                                 args.min_gain, keep)
+    for label, topology, k, keep, micro in settings:
+        results["settings"][label] = {m: project(m, topology, k, latency, micro[m], args.window, args.min_gain, keep)
                                       for m in models}
         print(label, "done", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -145,7 +145,8 @@ class MoEConfig:
     # With train.microbatches > 1: a guest copy a rank already holds from the step's previous
     # micro-batch is kept, not fetched again (the weights have not changed). Saves forward weight
     # transfers and no maths (jtopoep.guests); topoep prefers a rank that holds the copy where
-    # that balances as well.
+    # that balances as well. Costs memory: every MoE layer's K guest copies stay live between
+    # micro-batches.
     keep_copies: bool = True
     sinkhorn_epsilon: float = 1.0  # taot only: entropic regularisation, in link-cost units
     sinkhorn_iters: int = 10  # taot only: fixed Sinkhorn iteration count
