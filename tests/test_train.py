@@ -193,7 +193,8 @@ def test_two_processes_train_like_one(devices, tmp_path):
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each child emulates its own 4 devices
+    # Each child emulates its own 4 devices: the XLA flags of this process, less its device count.
+    env = {**os.environ, "XLA_FLAGS": " ".join(f for f in os.environ["XLA_FLAGS"].split() if "device_count" not in f)}
     children = [subprocess.Popen([sys.executable, "-m", "train", "--config", str(tmp_path / "two.yaml"),
                                   "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id",
                                   str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
