@@ -2,7 +2,8 @@
 
     x f[T, D], expert_ids i[T, k], gates f[T, k]          this rank's tokens and router output
     counts  = all_gather(bincount(expert_ids))  i[R, E]  identical on every rank
-    plan    = planner(counts, placement)                  identical on every rank
+    plan    = planner(counts, placement, held)            identical on every rank (held: the guest
+              experts kept from the previous micro-batch, or None)
     assign  : pair p -> (rank d, slot j): on this source the pairs of expert e, in [T, k] order,
               fill the slots holding e in ascending (d, j) order, plan.route[me, d, j] each
     permute : pairs sorted by destination slot; send sizes plan.route[me].sum(1)
