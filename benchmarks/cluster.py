@@ -12,8 +12,9 @@ planning or weight-transfer cost: costmodel.ideal_layer_time).
 Settings: K = 2 guest slots (the headline), K = 1 and 4, half and double the inter-node bandwidth,
 and --keep-microbatches micro-batches as the gradient-accumulation micro-batches of one optimizer
 step, once fetching every copy and once where a rank that holds a guest copy again keeps it from the
-previous micro-batch and ships no weights for it (moe.keep_copies; its gradients still go home). The DeepSeek-V2-Lite traces hold
-3 micro-batches of 32 ranks, so a fourth repeats the first (never the one before it).
+previous micro-batch and ships no weights for it (moe.keep_copies; its gradients still go home).
+The DeepSeek-V2-Lite traces hold 3 micro-batches of 32 ranks, so a fourth repeats the first (never
+the one before it).
 Planning latency: the planner benchmark's jitted CPU median in its own configuration (calls inline,
 jtopoep.xla_cpu's settings; benchmarks/results/planners.json), stated as a CPU figure until a GPU
 one exists.

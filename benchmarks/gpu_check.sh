@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The GPU checks in one go, in under 6 minutes on one H200: ragged transport against the dense oracle,
-# planner latency on the GPU, the grouped GEMM against its buffer, whether the guest-weight transfer is
-# scheduled around the home-slot GEMMs, the dispatch benchmark with the ragged transport, and a short
-# training run with the ragged transport, in two micro-batches per step. Uses the machine's own JAX (no install); results land in $OUT or
-# benchmarks/results/gpu.
+# The GPU checks in one go, in under 6 minutes on one H200: ragged transport against the dense oracle
+# (with kept guest copies too), planner latency on the GPU, the grouped GEMM against its buffer,
+# whether the guest-weight transfer is scheduled around the home-slot GEMMs, the dispatch benchmark
+# with the ragged transport, and a short training run with the ragged transport, in two micro-batches
+# per step. Uses the machine's own JAX (no install); results land in $OUT or benchmarks/results/gpu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

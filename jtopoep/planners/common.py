@@ -110,6 +110,12 @@ def holds_home(home_rank, num_ranks: int, xp=jnp):
     return home_rank[None, :] == xp.arange(num_ranks, dtype=xp.int32)[:, None]
 
 
+def holds_held(held, cand):
+    """[R, C] True where the rank holds candidate expert cand[c] from the step's previous micro-batch
+    (held [R, K], -1 empty; its copy needs no transfer); None without held."""
+    return None if held is None else (held[:, :, None] == cand[None, None, :]).any(1)
+
+
 def scatter_set(size: int, index, values, xp):
     """zeros(size) with values written at index; every index at most once, so order cannot matter.
     A scatter of n values costs n, where a one-hot reduction costs n * size."""

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from jtopoep.costmodel import EXCHANGES_PER_LAYER
 from jtopoep.ordering import first_argmax
 from jtopoep.plan import Plan, home_rank_of_experts
-from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, num_copy_candidates, spill_candidates,
-                                     spill_per_expert, uncovered_node_pairs)
+from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, holds_held, num_copy_candidates,
+                                     spill_candidates, spill_per_expert, uncovered_node_pairs)
 from jtopoep.planners.copies import finish_plan, make_copy, start_copies
 from jtopoep.planners.loops import step_until_done
 from jtopoep.planners.pricing import copy_exposure, node_link_class
@@ -107,8 +107,7 @@ class TaotPlanner(PlannerBase):
             ship = self.weight_cost * copy_pairs * cost[home]  # [C, R]
             if held is not None:
                 # A copy the rank holds from the step's previous micro-batch ships only its gradients.
-                holds = (held[None, :, :] == cand[:, None, None]).any(2)  # [C, R]
-                ship = jnp.where(holds, 0.5 * ship, ship)
+                ship = jnp.where(holds_held(held, cand).T, 0.5 * ship, ship)
         cand_ids = jnp.arange(num_cand)
 
         def step(carry):

@@ -36,8 +36,8 @@ import jax.numpy as jnp
 from jtopoep.costmodel import EXCHANGES_PER_LAYER
 from jtopoep.ordering import first_argmax
 from jtopoep.plan import Plan, home_rank_of_experts
-from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, num_copy_candidates, spill_candidates,
-                                     spill_per_expert, uncovered_node_pairs)
+from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, holds_held, num_copy_candidates,
+                                     spill_candidates, spill_per_expert, uncovered_node_pairs)
 from jtopoep.planners.copies import finish_plan, make_copy, start_copies
 from jtopoep.planners.loops import step_until_done
 from jtopoep.planners.pricing import copy_exposure, node_link_class
@@ -68,8 +68,7 @@ class TopoEPPlanner(PlannerBase):
         crossing0 = uncovered_node_pairs(counts, loads, spill0, cand, cand_home, gpus)  # [N, C]
         never = jnp.int32(-1)
         rank_remote = node_link_class(self.topology)  # [R, R] across nodes
-        # [R, C] the rank holds the candidate from the step's previous micro-batch (no transfer).
-        held_cand = None if held is None else (held[:, :, None] == cand[None, None, :]).any(1)
+        held_cand = holds_held(held, cand)  # [R, C], or None
 
         def step(carry):
             state, crossing = carry
