@@ -142,11 +142,13 @@ def non_moe_seconds(cfg: ModelConfig, topology: Topology) -> float:
 
 
 def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, mats: np.ndarray,
-            window: int, min_gain: float, keep_copies: bool = False) -> dict:
+            window: int, min_gain: float, keep_copies: bool = False, timing=layer_time) -> dict:
     """Per-step terms, tokens/s and gains of every planner on the micro-batches `mats`.
 
     keep_copies: the micro-batches are those of one optimizer step, and a guest copy a rank holds
-    again from the previous micro-batch of the same layer ships no weights (moe.keep_copies)."""
+    again from the previous micro-batch of the same layer ships no weights (moe.keep_copies).
+    timing: the per-layer cost model, with costmodel.layer_time's signature (benchmarks.what_if
+    passes variants of it)."""
     cfg = load_model(model)
     dep = Deployment(cfg, topology.num_ranks)
     dims = dep.dims
@@ -165,7 +167,7 @@ def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, m
                for name in planners}
 
     def timed(name, layer, plan, planning_s):
-        t = layer_time(plan, topology, dims, placement, planning_s, held.get((name, layer)))
+        t = timing(plan, topology, dims, placement, planning_s, held.get((name, layer)))
         if keep_copies:
             held[(name, layer)] = np.asarray(plan.slot_expert)[:, home:]
         for k in terms:

@@ -97,6 +97,44 @@ def guest_transfers(plan: Plan, placement: np.ndarray, held=None) -> np.ndarray:
     return moves
 
 
+def exchange_seconds_per_rank(plan: Plan, topology: Topology, dims: ExpertDims) -> np.ndarray:
+    """[R] seconds of one token exchange at each rank: the slower of its NVLink and RDMA transfers,
+    each the larger of what it sends and receives (full duplex), without latency."""
+    pairs = np.asarray(plan.route).astype(np.float64).sum(axis=2)  # [s, d]
+    cls = link_class(topology)
+    bw = {1: topology.intra_bw, 2: topology.inter_bw}
+    per_rank = np.zeros(pairs.shape[0])
+    for c in (1, 2):
+        sent = np.where(cls == c, pairs, 0.0)
+        per_rank = np.maximum(per_rank, np.maximum(sent.sum(1), sent.sum(0)) * dims.pair_bytes / bw[c])
+    return per_rank
+
+
+def copy_seconds_per_rank(moves: np.ndarray, topology: Topology, dims: ExpertDims) -> np.ndarray:
+    """[R] seconds of copy transfers at each rank, moves [R(home), R(guest host)] copies: home ranks
+    send (rows), guest hosts receive (columns); per link class, full duplex: the slower side."""
+    cls = link_class(topology)
+    out = np.zeros(moves.shape[0])
+    for c, bw in ((1, topology.intra_bw), (2, topology.inter_bw)):
+        m = np.where(cls == c, moves.astype(np.float64), 0.0) * dims.expert_bytes / bw
+        out = np.maximum(out, np.maximum(m.sum(0), m.sum(1)))
+    return out
+
+
+def home_forward_seconds(plan: Plan, topology: Topology, dims: ExpertDims, placement) -> np.ndarray:
+    """[R] seconds of each rank's home-slot forward GEMMs, behind which guest-weight transfers hide."""
+    home = np.asarray(placement).shape[1]
+    route = np.asarray(plan.route).astype(np.float64)
+    return route[:, :, :home].sum(axis=(0, 2)) * (dims.pair_flops / 3.0 / (topology.flops * topology.mfu))
+
+
+def exposed_weight_seconds(weights_out: np.ndarray, grads_back: np.ndarray, home_fwd: np.ndarray) -> float:
+    """The guest-weight term from per-rank transfer seconds: weights out overlapped with the home
+    forward GEMMs, gradients back behind the home backward (twice the forward); the most exposed
+    rank of each direction counts."""
+    return float(np.maximum(weights_out - home_fwd, 0.0).max() + np.maximum(grads_back - 2.0 * home_fwd, 0.0).max())
+
+
 def layer_time(plan: Plan, topology: Topology, dims: ExpertDims, placement,
                planning_s: float = 0.0, held=None) -> dict[str, float]:
     """Seconds of one MoE layer's forward+backward under the plan, by term, and their sum.
@@ -105,43 +143,20 @@ def layer_time(plan: Plan, topology: Topology, dims: ExpertDims, placement,
     held: [R, K'] guest experts each rank kept from the step's previous micro-batch (-1 empty): their
     copies' weights are not shipped again, but every copy's gradients still go home."""
     route = np.asarray(plan.route).astype(np.float64)
-    num_ranks = route.shape[0]
     placement = np.asarray(placement)
-    home = placement.shape[1]
-    rate = topology.flops * topology.mfu
-    pair_fwd_s = dims.pair_flops / 3.0 / rate
-
-    loads = route.sum(axis=(0, 2))
-    gemm = float(loads.max() * dims.pair_flops / rate)
+    gemm = float(route.sum(axis=(0, 2)).max() * dims.pair_flops / (topology.flops * topology.mfu))
 
     cls = link_class(topology)
     pairs = route.sum(axis=2)  # [s, d]
-    bw = {1: topology.intra_bw, 2: topology.inter_bw}
-    per_rank = np.zeros(num_ranks)
-    for c in (1, 2):
-        sent = np.where(cls == c, pairs, 0.0)
-        t = np.maximum(sent.sum(1), sent.sum(0)) * dims.pair_bytes / bw[c]
-        per_rank = np.maximum(per_rank, t)
     uses_inter = bool((np.where(cls == 2, pairs, 0) > 0).any())
     uses_intra = bool((np.where(cls == 1, pairs, 0) > 0).any())
     latency = topology.inter_latency if uses_inter else (topology.intra_latency if uses_intra else 0.0)
-    exchange = EXCHANGES_PER_LAYER * (float(per_rank.max()) + latency)
+    exchange = EXCHANGES_PER_LAYER * (float(exchange_seconds_per_rank(plan, topology, dims).max()) + latency)
 
-    def busy(moves):
-        """Per-rank seconds of copy transfers: home ranks send (rows), guest hosts receive (columns);
-        full duplex: the slower side."""
-        out = np.zeros(num_ranks)
-        for c in (1, 2):
-            m = np.where(cls == c, moves.astype(np.float64), 0.0) * dims.expert_bytes / bw[c]
-            out = np.maximum(out, np.maximum(m.sum(0), m.sum(1)))
-        return out
-
-    every_copy = busy(guest_transfers(plan, placement))
-    weights_out = every_copy if held is None else busy(guest_transfers(plan, placement, held))
-    home_fwd = route[:, :, :home].sum(axis=(0, 2)) * pair_fwd_s
-    exposed = np.maximum(weights_out - home_fwd, 0.0)  # weights out, overlapped with home forward GEMMs
-    exposed_grad = np.maximum(every_copy - 2.0 * home_fwd, 0.0)  # gradients back, behind home backward
-    weights = float(exposed.max() + exposed_grad.max())
+    every_copy = copy_seconds_per_rank(guest_transfers(plan, placement), topology, dims)
+    weights_out = every_copy if held is None else copy_seconds_per_rank(guest_transfers(plan, placement, held),
+                                                                        topology, dims)
+    weights = exposed_weight_seconds(weights_out, every_copy, home_forward_seconds(plan, topology, dims, placement))
 
     total = gemm + exchange + weights + planning_s
     return {"gemm_s": gemm, "exchange_s": exchange, "weights_s": weights, "planning_s": planning_s,

@@ -1,9 +1,15 @@
 """The benchmark scripts' building blocks run and produce sane numbers (small cases, no timing)."""
 
+import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import cluster
-from benchmarks.loads import all_families
+from benchmarks import cluster, what_if
+from benchmarks.loads import all_families, synthetic_families
+from jtopoep.costmodel import ExpertDims, layer_time
+from jtopoep.plan import Plan, check_plan, home_plan
+from jtopoep.planners.common import even_quotas
+from jtopoep.planners.eplb import eplb_slots
+from jtopoep.planners.routing import plan_from_quotas
 from jtopoep.topology import Topology
 
 
@@ -51,6 +57,63 @@ def test_projection_with_kept_copies_saves_only_weight_transfers():
     for name in ("eplb", "topoep", "taot"):
         assert kept[name]["gemm_s"] == fetched[name]["gemm_s"] and kept[name]["exchange_s"] == fetched[name]["exchange_s"]
         assert 0 < kept[name]["weights_s"] < fetched[name]["weights_s"]
+
+
+def test_relayed_weights_arrive_over_every_rail():
+    """2 nodes x 2 GPUs, one expert per rank; expert 0 (rank 0, node 0) copied to rank 2 (node 1).
+    Relayed in 2 stripes: rank 0 keeps stripe 0 and hands stripe 1 to rank 1 (NVLink); ranks 0 and 1
+    send their stripes to ranks 2 and 3 (RDMA, one stripe each); rank 3 hands its stripe to rank 2
+    (NVLink). Every rank is busy for one stripe per stage, so the copy lands at rank 2 after
+    stripe / intra + stripe / inter + stripe / intra plus each stage's latency; nothing else lands."""
+    topology = Topology(2, 2, intra_bw=100.0, inter_bw=10.0, intra_latency=1.0, inter_latency=2.0)
+    dims = ExpertDims(d_model=10, expert_hidden=10, bytes_per_element=2)  # 600 bytes, stripes of 300
+    placement = np.arange(4).reshape(4, 1)
+    counts = np.array([[8, 1, 1, 1]] * 4, np.int32)
+    slot_expert = np.array([[0, -1], [1, -1], [2, 0], [3, -1]], np.int32)
+    quota = np.array([[16, 0], [4, 0], [4, 16], [4, 0]], np.int32)
+    plan = plan_from_quotas(counts, slot_expert, quota, 2, True, np)
+    check_plan(plan, counts, placement)
+    arrival = what_if.relayed_arrival_seconds(plan, topology, dims, placement)
+    np.testing.assert_allclose(arrival, [0, 0, 300 / 100 + 1 + 300 / 10 + 2 + 300 / 100 + 1, 0])
+    # Held already: nothing is shipped, nothing arrives.
+    held = np.array([[-1], [-1], [0], [-1]], np.int32)
+    np.testing.assert_array_equal(what_if.relayed_arrival_seconds(plan, topology, dims, placement, held), 0)
+
+
+def test_what_if_variants_change_only_the_weights_term():
+    """On an eplb plan (many inter-node copies): every variant keeps GEMM and exchange as modelled,
+    and the two that only remove transfer time (NVLink-speed copies, hiding behind the dispatch)
+    never price the weights above the cost model."""
+    topology = Topology.preset("h800-2x8")
+    dims = ExpertDims(d_model=2048, expert_hidden=1408)
+    counts = synthetic_families(16, 32, 512, steps=1)["zipf-1.0"][0]
+    placement = np.arange(32).reshape(16, 2)
+    slot_expert, _ = eplb_slots(counts, placement, 2, 0.0, np)
+    plan = plan_from_quotas(counts, slot_expert, even_quotas(slot_expert, counts.sum(0), np), 8, False, np)
+    base = layer_time(plan, topology, dims, placement)
+    assert base["weights_s"] > 0
+    for variant in list(what_if.FETCHED.values()) + list(what_if.KEPT.values()):
+        times = variant(plan, topology, dims, placement)
+        assert times["gemm_s"] == base["gemm_s"] and times["exchange_s"] == base["exchange_s"]
+        assert np.isclose(times["total_s"], sum(times[k] for k in ("gemm_s", "exchange_s", "weights_s", "planning_s")))
+    for variant in (what_if.copies_at_nvlink_speed, what_if.weights_behind_dispatch):
+        assert variant(plan, topology, dims, placement)["weights_s"] <= base["weights_s"]
+
+
+def test_locality_search_adds_copies_that_pay_and_keeps_plans_valid():
+    """From the plan without copies, on a skewed load, the search finds copies that shorten the
+    layer; what it returns is a valid plan, priced as it says."""
+    topology = Topology.preset("h800-2x8")
+    dims = ExpertDims(d_model=2048, expert_hidden=1408)
+    counts = synthetic_families(16, 32, 512, steps=1)["zipf-1.0"][0]
+    placement = np.arange(32).reshape(16, 2)
+    plan = Plan(*map(np.asarray, home_plan(jnp.asarray(counts), jnp.asarray(placement), 2)))
+    found, quota, seconds, added = what_if.add_locality_copies(counts, plan, topology, dims, placement, 4)
+    searched = plan_from_quotas(counts, found, quota, 8, True, np)
+    check_plan(Plan(*map(np.asarray, searched)), counts, placement)
+    assert added == (found[:, 2:] >= 0).sum() > 0
+    assert seconds == layer_time(searched, topology, dims, placement)["total_s"]
+    assert seconds < layer_time(plan, topology, dims, placement)["total_s"]
 
 
 def test_gpu_check_finds_the_home_gemms_in_the_schedule(devices):

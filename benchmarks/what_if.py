@@ -1,0 +1,264 @@
+"""What it would take to close the gap to `ideal`: the cluster projection under other assumptions.
+
+python -m benchmarks.what_if [--model M ...] [--microbatches 2] [--keep-microbatches 4] [--sample-layers 4]
+
+cluster.md says which term keeps topoep and taot short of 95% of `ideal`'s gain. This benchmark asks
+whether a change that is plausible on a real cluster would close it, by re-pricing the same plans
+under variants of the cost model (the planners themselves are unchanged; only `timing` differs):
+
+- relayed weights: an inter-node copy travels as G stripes, home -> each GPU of its node (NVLink),
+  -> the GPU with the same local index on the destination node (RDMA, all G rails at once) -> the
+  guest host (NVLink), as NCCL's PXN and DeepEP route traffic; three exchanges one after another.
+- weights behind the dispatch: a rank's guest weights also hide in the idle tail of its dispatch
+  exchange (the exchange lasts as long as its busiest rank), which needs the weight fetch and the
+  token exchange to run concurrently.
+- inter-node copies at NVLink speed: an upper bound for any way of moving weights across nodes.
+- gradients of kept copies deferred: with copies kept between micro-batches, the gradients of a
+  kept copy summed on its guest rank and sent home once, not every micro-batch. An upper bound: kept
+  copies send no gradients at all.
+
+It also searches for copies the planners do not make: into the free guest slots of topoep's plans, a
+greedy search adds copies that serve one node's own pairs of an expert homed elsewhere, as long as
+the cost model's layer time falls (sampled layers of one micro-batch). That asks whether the planner
+leaves exchange time on the table.
+
+None of this is the cost model the planners and the headline projection use: these are questions,
+with their answers in results/what_if.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import cluster
+from jtopoep import xla_cpu
+from jtopoep.costmodel import (copy_seconds_per_rank, exchange_seconds_per_rank, exposed_weight_seconds,
+                               guest_transfers, home_forward_seconds, home_rank_of_slots, ideal_layer_time,
+                               layer_time)
+from jtopoep.plan import home_plan
+from jtopoep.planners import get_planner
+from jtopoep.planners.routing import plan_from_quotas
+from jtopoep.topology import Topology
+
+RESULTS = cluster.RESULTS
+PLANNERS = ("topoep", "taot")
+
+
+def _with_weights(times: dict, weights_s: float) -> dict:
+    return {**times, "weights_s": weights_s, "total_s": times["total_s"] - times["weights_s"] + weights_s}
+
+
+def relayed_arrival_seconds(plan, topology: Topology, dims, placement, held=None) -> np.ndarray:
+    """[R] seconds until the last guest weights a rank receives have arrived, with inter-node copies
+    relayed over every rail (module docstring). Per stage, a rank is busy for the larger of what it
+    sends and receives over that stage's link; a stripe passes a stage as fast as the busier of its
+    two ranks, and the stages run one after another. Intra-node copies go directly in the first
+    stage. A home rank sends a stripe to each GPU of its node once per expert, however many nodes
+    get a copy (the reverse, for gradients, sums them there)."""
+    placement = np.asarray(placement)
+    home = placement.shape[1]
+    gpus = topology.gpus_per_node
+    ranks = topology.num_ranks
+    guests = np.asarray(plan.slot_expert)[:, home:]
+    sender = home_rank_of_slots(plan, placement)[:, home:]
+    shipped = sender >= 0
+    if held is not None:
+        shipped &= ~(guests[:, :, None] == np.asarray(held)[:, None, :]).any(2)
+    spread, across, gather = (np.zeros((ranks, ranks)) for _ in range(3))  # stripes per stage
+    spread_once = set()
+    paths = []  # (guest host, the (rank, rank) pair of each stage a stripe passes)
+    for d, i in zip(*np.nonzero(shipped)):
+        h = sender[d, i]
+        if h // gpus == d // gpus:
+            spread[h, d] += gpus
+            paths.append((d, [(h, d)]))
+            continue
+        for g in range(gpus):
+            a, b = (h // gpus) * gpus + g, (d // gpus) * gpus + g
+            if (guests[d, i], g) not in spread_once:
+                spread_once.add((guests[d, i], g))
+                spread[h, a] += a != h
+            across[a, b] += 1
+            gather[b, d] += b != d
+            paths.append((d, [(h, a), (a, b), (b, d)]))
+    stripe = dims.expert_bytes / gpus
+    busy = [np.maximum(m.sum(0), m.sum(1)) * stripe / bw for m, bw in
+            ((spread, topology.intra_bw), (across, topology.inter_bw), (gather, topology.intra_bw))]
+    latency = [topology.intra_latency, topology.inter_latency, topology.intra_latency]
+    arrival = np.zeros(ranks)
+    for d, stages in paths:
+        t = sum(max(busy[s][r] for r in pair) + latency[s] for s, pair in enumerate(stages))
+        arrival[d] = max(arrival[d], t)
+    return arrival
+
+
+def relayed_weights(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
+    times = layer_time(plan, topology, dims, placement, planning_s, held)
+    home_fwd = home_forward_seconds(plan, topology, dims, placement)
+    out = relayed_arrival_seconds(plan, topology, dims, placement, held)
+    back = relayed_arrival_seconds(plan, topology, dims, placement)
+    return _with_weights(times, exposed_weight_seconds(out, back, home_fwd))
+
+
+def weights_behind_dispatch(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
+    times = layer_time(plan, topology, dims, placement, planning_s, held)
+    per_rank = exchange_seconds_per_rank(plan, topology, dims)
+    idle_tail = per_rank.max() - per_rank
+    home_fwd = home_forward_seconds(plan, topology, dims, placement)
+    every = copy_seconds_per_rank(guest_transfers(plan, np.asarray(placement)), topology, dims)
+    out = every if held is None else copy_seconds_per_rank(guest_transfers(plan, np.asarray(placement), held),
+                                                           topology, dims)
+    return _with_weights(times, exposed_weight_seconds(out - idle_tail, every - idle_tail, home_fwd))
+
+
+def copies_at_nvlink_speed(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
+    times = layer_time(plan, topology, dims, placement, planning_s, held)
+    fast = dataclasses.replace(topology, inter_bw=topology.intra_bw)
+    return _with_weights(times, layer_time(plan, fast, dims, placement, planning_s, held)["weights_s"])
+
+
+def kept_gradients_deferred(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
+    times = layer_time(plan, topology, dims, placement, planning_s, held)
+    if held is None:
+        return times
+    shipped = copy_seconds_per_rank(guest_transfers(plan, np.asarray(placement), held), topology, dims)
+    home_fwd = home_forward_seconds(plan, topology, dims, placement)
+    return _with_weights(times, exposed_weight_seconds(shipped, shipped, home_fwd))
+
+
+FETCHED = {"as modelled": layer_time, "weights relayed over the rails": relayed_weights,
+           "weights also behind the dispatch": weights_behind_dispatch,
+           "inter-node copies at NVLink speed": copies_at_nvlink_speed}
+KEPT = {"copies kept, as modelled": layer_time, "copies kept, their gradients deferred": kept_gradients_deferred}
+
+
+def add_locality_copies(counts, plan, topology: Topology, dims, placement, experts_per_node: int = 8):
+    """Greedy search on the cost model: add the copy that lowers the layer time most, one at a time,
+    each into a free guest slot of a node for one of that node's `experts_per_node` most-used experts
+    homed elsewhere, taking all of that node's pairs of it (off its other slots, the fullest first),
+    until no such copy helps. Returns (slot_expert, quota, layer seconds, copies added)."""
+    placement = np.asarray(placement)
+    ranks, home = placement.shape
+    gpus, nodes = topology.gpus_per_node, topology.num_nodes
+    experts = counts.shape[1]
+    slot_expert = np.asarray(plan.slot_expert).copy()
+    quota = np.asarray(plan.route).sum(0)
+    best = layer_time(plan, topology, dims, placement)["total_s"]
+    node_share = counts.reshape(nodes, gpus, experts).sum(1)
+    home_node = np.arange(experts) // home // gpus
+    added = 0
+    while True:
+        trials = []
+        for n in range(nodes):
+            on_node = slot_expert[n * gpus:(n + 1) * gpus]
+            for e in np.argsort(-node_share[n], kind="stable")[:experts_per_node]:
+                if home_node[e] == n or (on_node == e).any():
+                    continue
+                holders = sorted(zip(*np.nonzero(slot_expert == e)), key=lambda rs: -quota[rs])
+                for d in range(n * gpus, (n + 1) * gpus):
+                    free = np.nonzero(slot_expert[d, home:] < 0)[0]
+                    if len(free) == 0:
+                        continue
+                    se, q = slot_expert.copy(), quota.copy()
+                    se[d, home + free[0]] = e
+                    q[d, home + free[0]] = left = int(node_share[n, e])
+                    for r, s in holders:
+                        take = min(left, q[r, s])
+                        q[r, s] -= take
+                        left -= take
+                    candidate = plan_from_quotas(counts, se, q, gpus, True, np)
+                    trials.append((layer_time(candidate, topology, dims, placement)["total_s"], se, q))
+        if not trials:
+            break
+        seconds, se, q = min(trials, key=lambda t: t[0])
+        if seconds >= best:
+            break
+        best, slot_expert, quota, added = seconds, se, q, added + 1
+    return slot_expert, quota, best, added
+
+
+def locality_search(model: str, topology: Topology, sample_layers: int) -> dict:
+    cfg = cluster.load_model(model)
+    dep = cluster.Deployment(cfg, topology.num_ranks)
+    placement = np.arange(dep.num_experts).reshape(topology.num_ranks, -1)
+    planner = jax.jit(get_planner("topoep", topology=topology, num_experts=dep.num_experts, guest_slots=2,
+                                  dims=dep.dims))
+    micro = cluster.model_traces(model, topology.num_ranks, 1, None)[0]
+    layers = list(range(0, len(micro), max(1, len(micro) // sample_layers)))[:sample_layers]
+    total = {"topoep_s": 0.0, "searched_s": 0.0, "ideal_s": 0.0, "copies_added": 0}
+    for layer in layers:
+        counts = dep.expand(micro[layer])
+        plan = jax.device_get(planner(counts))
+        _, _, seconds, added = add_locality_copies(counts, plan, topology, dep.dims, placement)
+        base = home_plan(jnp.asarray(counts), jnp.asarray(placement), 0)
+        total["topoep_s"] += layer_time(plan, topology, dep.dims, placement)["total_s"]
+        total["searched_s"] += seconds
+        total["ideal_s"] += ideal_layer_time(base, topology, dep.dims)["total_s"]
+        total["copies_added"] += added
+    return {**total, "layers": layers}
+
+
+def markdown(results: dict) -> str:
+    lines = ["Projected share of `ideal`'s gain over `none` (weights term, ms per step) for the same plans "
+             "under other cost-model assumptions (benchmarks/what_if.py says what each assumes). Not the "
+             "cost model the planners and cluster.md use.", ""]
+    for title, variants in (("Every copy fetched, K = 2", FETCHED),
+                            (f"K = 2, {results['keep_microbatches']} micro-batches a step", KEPT)):
+        lines += [f"### {title}", "", "| model | planner | " + " | ".join(variants) + " |",
+                  "|---|---|" + "---|" * len(variants)]
+        for model, rows in results["projections"].items():
+            for name in PLANNERS:
+                cells = [f"{100 * rows[v][name]['share_of_ideal_gain']:.0f}% ({1e3 * rows[v][name]['weights_s']:.1f})"
+                         for v in variants]
+                lines.append(f"| {model} | {name} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += ["### Copies the planner did not make (topoep, K = 2, sampled layers of one micro-batch)", "",
+              "| model | layers | topoep ms | with searched copies ms | copies added | ideal ms |",
+              "|---|---|---|---|---|---|"]
+    for model, r in results["locality_search"].items():
+        lines.append(f"| {model} | {len(r['layers'])} | {1e3 * r['topoep_s']:.2f} | {1e3 * r['searched_s']:.2f} | "
+                     f"{r['copies_added']} | {1e3 * r['ideal_s']:.2f} |")
+    return "\n".join(lines + [""])
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--topology", default="h800-4x8")
+    parser.add_argument("--model", action="append", choices=cluster.MODELS, help="repeatable; default: all presets")
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--keep-microbatches", type=int, default=4)
+    parser.add_argument("--sample-layers", type=int, default=4, help="layers per model in the copy search")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    xla_cpu.configure()
+    topology = Topology.preset(args.topology)
+    latency = cluster.planning_latency(RESULTS / "planners.json")
+    results = {"topology": args.topology, "keep_microbatches": args.keep_microbatches, "projections": {},
+               "locality_search": {}}
+    for model in args.model or cluster.MODELS:
+        mats = cluster.model_traces(model, topology.num_ranks, args.microbatches, None)
+        step = cluster.model_traces(model, topology.num_ranks, args.keep_microbatches, None)
+        rows = {}
+        for label, timing in FETCHED.items():
+            rows[label] = cluster.project(model, topology, 2, latency, mats, 8, 0.0, timing=timing)
+        for label, timing in KEPT.items():
+            rows[label] = cluster.project(model, topology, 2, latency, step, 8, 0.0, keep_copies=True, timing=timing)
+        results["projections"][model] = rows
+        results["locality_search"][model] = locality_search(model, topology, args.sample_layers)
+        print(model, "done", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "what_if.json").write_text(json.dumps(results, indent=1))
+    (args.out / "what_if.md").write_text(markdown(results))
+    print(markdown(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
