@@ -13,6 +13,7 @@ under variants of the cost model (the planners themselves are unchanged; only `t
   exchange (the exchange lasts as long as its busiest rank), which needs the weight fetch and the
   token exchange to run concurrently.
 - inter-node copies at NVLink speed: an upper bound for any way of moving weights across nodes.
+- weights and planning free: only the plan's GEMM and token exchange count.
 - gradients of kept copies deferred: with copies kept between micro-batches, the gradients of a
   kept copy summed on its guest rank and sent home once, not every micro-batch. An upper bound: kept
   copies send no gradients at all.
@@ -100,6 +101,8 @@ def relayed_arrival_seconds(plan, topology: Topology, dims, placement, held=None
 
 
 def relayed_weights(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
+    """Weights and gradients relayed over the rails; exposed where a guest host's last copy arrives
+    after its home-slot GEMMs (relays and home ranks wait for nothing)."""
     times = layer_time(plan, topology, dims, placement, planning_s, held)
     home_fwd = home_forward_seconds(plan, topology, dims, placement)
     out = relayed_arrival_seconds(plan, topology, dims, placement, held)
@@ -108,6 +111,8 @@ def relayed_weights(plan, topology, dims, placement, planning_s=0.0, held=None) 
 
 
 def weights_behind_dispatch(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
+    """A rank's transfers also hide in the time between its own dispatch ending and the busiest
+    rank's (gradients likewise behind the backward exchange)."""
     times = layer_time(plan, topology, dims, placement, planning_s, held)
     per_rank = exchange_seconds_per_rank(plan, topology, dims)
     idle_tail = per_rank.max() - per_rank
@@ -119,12 +124,20 @@ def weights_behind_dispatch(plan, topology, dims, placement, planning_s=0.0, hel
 
 
 def copies_at_nvlink_speed(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
+    """Guest weights and gradients cross nodes at the NVLink bandwidth (tokens do not)."""
     times = layer_time(plan, topology, dims, placement, planning_s, held)
     fast = dataclasses.replace(topology, inter_bw=topology.intra_bw)
     return _with_weights(times, layer_time(plan, fast, dims, placement, planning_s, held)["weights_s"])
 
 
+def transfers_and_planning_free(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
+    """Only the plan's GEMM and token exchange count: what is left of the gap is the plan's balance."""
+    times = layer_time(plan, topology, dims, placement, 0.0, held)
+    return _with_weights(times, 0.0)
+
+
 def kept_gradients_deferred(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
+    """Copies kept from the previous micro-batch send no gradients in this one."""
     times = layer_time(plan, topology, dims, placement, planning_s, held)
     if held is None:
         return times
@@ -135,7 +148,8 @@ def kept_gradients_deferred(plan, topology, dims, placement, planning_s=0.0, hel
 
 FETCHED = {"as modelled": layer_time, "weights relayed over the rails": relayed_weights,
            "weights also behind the dispatch": weights_behind_dispatch,
-           "inter-node copies at NVLink speed": copies_at_nvlink_speed}
+           "inter-node copies at NVLink speed": copies_at_nvlink_speed,
+           "weights and planning free": transfers_and_planning_free}
 KEPT = {"copies kept, as modelled": layer_time, "copies kept, their gradients deferred": kept_gradients_deferred}
 
 

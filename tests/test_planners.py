@@ -130,6 +130,23 @@ def test_topoep_reaches_lower_bound_on_a_hot_rank():
 
 
 @pytest.mark.parametrize("name", ["topoep", "taot"])
+def test_room_behind_full_slots_is_reopened_on_a_home_rank(name):
+    """One expert per rank, one guest slot: six experts take 14 pairs, two take 2; T* = 11. The
+    six spills (3 each) fit in the two cold ranks' room (9 each), but those have two slots for six
+    experts. A copy that leaves room behind its rank's last slot takes all of it (9, not 3), which
+    opens room on the copied expert's home rank, whose own slot takes the next spill, and so on
+    down the chain: every rank ends at T*, where copying only spill left four ranks at 14."""
+    loads_ = np.array([14, 14, 14, 14, 14, 14, 2, 2])
+    counts = np.zeros((R, 8), np.int32)
+    for e, load in enumerate(loads_):
+        for i in range(load):
+            counts[(e + i) % R, e] += 1
+    plan = get_planner(name, topology=TOPO, num_experts=8, guest_slots=1)(counts)
+    check_plan(plan, counts)
+    np.testing.assert_array_equal(np.asarray(plan.route).sum((0, 2)), 11)
+
+
+@pytest.mark.parametrize("name", ["topoep", "taot"])
 def test_copies_must_pay_for_exposed_transfers(name):
     """With real expert shapes, 120 pairs save ~nothing next to shipping a 3 x 4096 x 14336 expert:
     the cost model refuses every copy. With 100x the pairs the same hot rank is worth relieving."""

@@ -26,12 +26,12 @@ class CopyState(NamedTuple):
     XLA:CPU unless jtopoep.xla_cpu lets it compile the whole loop as one)."""
     step: jnp.ndarray  # i32 scalar; set to the loop bound to stop early
     spill: jnp.ndarray  # [C] pairs each candidate still has to shed
-    ranks: jnp.ndarray  # [R, 2 + 2K]: room, used, guests (expert id, -1 empty), quotas
+    ranks: jnp.ndarray  # [R, 2 + 2K]: room (target - load), used, guests (expert id, -1 empty), quotas
     holds: jnp.ndarray  # [R, C] rank holds the candidate (home or guest)
     clock: TransferClock
 
     @property
-    def room(self):  # [R] pairs each rank can still take below the target
+    def room(self):  # [R] pairs each rank can still take below the target (negative: above it)
         return self.ranks[:, _ROOM]
 
     @property
@@ -54,7 +54,7 @@ class CopyState(NamedTuple):
 def start_copies(counts, placement, cand, spill, target, slots: int, pair_fwd_s: float) -> CopyState:
     num_ranks, num_experts = counts.shape
     rank_loads = counts.sum(0)[placement].sum(1)
-    ranks = jnp.concatenate([jnp.maximum(target - rank_loads, 0)[:, None], jnp.zeros((num_ranks, 1), jnp.int32),
+    ranks = jnp.concatenate([(target - rank_loads)[:, None], jnp.zeros((num_ranks, 1), jnp.int32),
                              jnp.full((num_ranks, slots), -1, jnp.int32), jnp.zeros((num_ranks, slots), jnp.int32)],
                             axis=1).astype(jnp.int32)
     state = CopyState(jnp.int32(0), spill[cand], ranks, holds_home(home_rank_of_experts(placement)[cand], num_ranks),
@@ -67,12 +67,15 @@ def make_copy(state: CopyState, e, d, amount, ok, cand, home, link, pair_fwd_s: 
     num_ranks, slots = state.ranks.shape[0], state.slots
     amount = jnp.where(ok, amount, 0)
     at_d = (ok & (jnp.arange(num_ranks) == d))[:, None]
+    at_home = (jnp.arange(num_ranks) == home)[:, None]
     column = jnp.arange(state.ranks.shape[1])[None, :]
     used = state.used[d]
-    # Room falls by the amount, one more slot is used, and the next free slot takes e and its quota.
+    # d's room falls by the amount and the home's rises by it, one more slot is used on d, and d's
+    # next free slot takes e and its quota.
     ranks = jnp.where(at_d & (column == _GUESTS + used), cand[e],
                       jnp.where(at_d & (column == _GUESTS + slots + used), amount,
-                                state.ranks - jnp.where(at_d & (column == _ROOM), amount, 0)
+                                state.ranks + jnp.where(column == _ROOM, jnp.where(at_home, amount, 0)
+                                                        - jnp.where(at_d, amount, 0), 0)
                                 + jnp.where(at_d & (column == _USED), 1, 0)))
     is_e = jnp.arange(state.spill.shape[0]) == e
     return state._replace(
@@ -80,6 +83,30 @@ def make_copy(state: CopyState, e, d, amount, ok, cand, home, link, pair_fwd_s: 
         ranks=ranks,
         holds=state.holds | (at_d & is_e[None, :]),
         clock=clock_after_copy(state.clock, home, d, link, amount.astype(jnp.float32) * pair_fwd_s, ok))
+
+
+def copy_overshedding(state: CopyState, e, d, amount, ok, cand, cand_home, kept, link, pair_fwd_s: float):
+    """make_copy of candidate e on rank d taking `amount` pairs (at most e's spill), or more when a
+    copy would strand room; returns the state and the pairs the copy takes.
+
+    A copy into d's last free slot that leaves d room strands that room behind a full set of slots.
+    When fewer free slots are left on ranks with room than candidates still spill, stranded room is
+    what keeps the plan above the target: with one home expert per rank (Mixtral's slices) the room
+    sits on the few cold ranks, two slots each, while two dozen experts spill. Then the copy takes
+    all of d's room, up to what e's home slot keeps (kept [C]: each candidate's load less its
+    spill), and e's home rank gets the difference as room, with its own free slots for the experts
+    still spilling. Only when no other candidate of the same home rank still spills, whose spill
+    would otherwise be counted twice.
+    cand_home: [C] home rank of each candidate."""
+    need = state.spill[e]
+    stranded = state.room[d] - amount  # > 0 only when the copy ends e's spill (amount = need)
+    open_slots = jnp.where(state.room > 0, state.slots - state.used, 0)
+    still_spilling = (state.spill > 0).sum() - (need <= amount)
+    scarce = open_slots.sum() - open_slots[d] < still_spilling
+    others = ((cand_home == cand_home[e]) & (jnp.arange(state.spill.shape[0]) != e) & (state.spill > 0)).any()
+    fits = ok & (state.used[d] == state.slots - 1) & (stranded > 0) & scarce & ~others
+    amount = amount + jnp.where(fits, jnp.minimum(stranded, kept[e]), 0)
+    return make_copy(state, e, d, amount, ok, cand, cand_home[e], link, pair_fwd_s), amount
 
 
 def finish_plan(planner: PlannerBase, counts, placement, state: CopyState, cand) -> Plan:

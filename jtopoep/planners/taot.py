@@ -36,7 +36,7 @@ from jtopoep.ordering import first_argmax
 from jtopoep.plan import Plan, home_rank_of_experts
 from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, holds_held, num_copy_candidates,
                                      spill_candidates, spill_per_expert, uncovered_node_pairs)
-from jtopoep.planners.copies import finish_plan, make_copy, start_copies
+from jtopoep.planners.copies import copy_overshedding, finish_plan, start_copies
 from jtopoep.planners.loops import step_until_done
 from jtopoep.planners.pricing import copy_exposure, node_link_class
 from jtopoep.planners.sinkhorn import sinkhorn
@@ -109,6 +109,7 @@ class TaotPlanner(PlannerBase):
                 # A copy the rank holds from the step's previous micro-batch ships only its gradients.
                 ship = jnp.where(holds_held(held, cand).T, 0.5 * ship, ship)
         cand_ids = jnp.arange(num_cand)
+        kept = loads[cand] - spill0[cand]  # [C] pairs each candidate's home slot keeps after its spill
 
         def step(carry):
             # hint and crossing are carried per (candidate, rank): hint[h, l] of the candidate's home
@@ -134,9 +135,9 @@ class TaotPlanner(PlannerBase):
             flat = first_argmax(jnp.where(feasible, score, -jnp.inf))
             e, d = flat // num_ranks, flat % num_ranks
             ok = feasible[e, d]
-            state = make_copy(state, e, d, amount[e, d], ok, cand, home[e], link[e, d], pair_fwd_s)
+            state, taken = copy_overshedding(state, e, d, amount[e, d], ok, cand, home, kept, link[e, d], pair_fwd_s)
             state = state._replace(step=jnp.where(ok, state.step + 1, num_ranks * slots))
-            charged = jnp.where(ok, moved[e, d], 0.0)
+            charged = jnp.where(ok, taken.astype(jnp.float32), 0.0)
             hint = hint - jnp.where((home[:, None] == home[e]) & (rank_ids[None, :] == d), charged, 0.0)
             served = (cand_ids[:, None] == e) & (rank_node[None, :] == rank_node[d])
             crossing = jnp.maximum(crossing - jnp.where(served, charged, 0.0), 0.0)

@@ -38,7 +38,7 @@ from jtopoep.ordering import first_argmax
 from jtopoep.plan import Plan, home_rank_of_experts
 from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, holds_held, num_copy_candidates,
                                      spill_candidates, spill_per_expert, uncovered_node_pairs)
-from jtopoep.planners.copies import finish_plan, make_copy, start_copies
+from jtopoep.planners.copies import copy_overshedding, finish_plan, start_copies
 from jtopoep.planners.loops import step_until_done
 from jtopoep.planners.pricing import copy_exposure, node_link_class
 
@@ -69,7 +69,7 @@ class TopoEPPlanner(PlannerBase):
         never = jnp.int32(-1)
         rank_remote = node_link_class(self.topology)  # [R, R] across nodes
         held_cand = holds_held(held, cand)  # [R, C], or None
-
+        kept = loads[cand] - spill0[cand]  # [C] pairs each candidate's home slot keeps after its spill
         def step(carry):
             state, crossing = carry
             e = first_argmax(state.spill)
@@ -111,12 +111,13 @@ class TopoEPPlanner(PlannerBase):
             winner = (wins * (node_ids + 1)).sum()  # 1 + the winning node; 0 when no node can take e
             node, ok = jnp.maximum(winner - 1, 0), winner > 0
             d = dest[node]
-            state = make_copy(state, e, d, absorb[node], ok, cand, home, link_s[home, d], pair_fwd_s)
+            state, amount = copy_overshedding(state, e, d, absorb[node], ok, cand, cand_home, kept, link_s[home, d],
+                                              pair_fwd_s)
             # A spilling expert that cannot be placed anywhere keeps its spill at home.
             state = state._replace(spill=jnp.where((expert_ids == e) & ~ok, 0, state.spill),
                                    step=jnp.where(need > 0, state.step + 1, num_ranks * slots))
             served = (node_ids[:, None] == node) & (expert_ids == e)[None, :] & ok
-            crossing = jnp.maximum(crossing - jnp.where(served, moved[node], 0.0), 0.0)
+            crossing = jnp.maximum(crossing - jnp.where(served, amount.astype(jnp.float32), 0.0), 0.0)
             return state, crossing
 
         state = start_copies(counts, placement, cand, spill0, target, slots, pair_fwd_s)
