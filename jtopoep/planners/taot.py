@@ -17,7 +17,9 @@
    a = locality_weight and b = weight_cost trade balance for weighted communication cost. Copies
    that fail the min-gain test for their link class, or
    expose more weight-transfer time than the GEMM time they save (the same pricing.TransferClock
-   rule as topoep), are never matched;
+   rule as topoep), are never matched. A move into its rank's last free slot may take more than
+   the expert's spill, as in topoep (copies.copy_overshedding), when free slots are scarcer than
+   spilling experts;
 4. home slots keep what their copies do not take; token routing is the locality-tiered routing
    shared with topoep (planners.routing.plan_from_quotas).
 
