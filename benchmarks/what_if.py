@@ -13,6 +13,9 @@ under variants of the cost model (the planners themselves are unchanged; only `t
   exchange (the exchange lasts as long as its busiest rank), which needs the weight fetch and the
   token exchange to run concurrently.
 - inter-node copies at NVLink speed: an upper bound for any way of moving weights across nodes.
+- gradients behind the rest of the backward pass: a guest copy's gradient is only needed by the
+  optimizer step, so its return could overlap the backward of the layers below, not only this
+  layer's home-slot backward; then only the weights going out count.
 - weights and planning free: only the plan's GEMM and token exchange count.
 - gradients of kept copies deferred: with copies kept between micro-batches, the gradients of a
   kept copy summed on its guest rank and sent home once, not every micro-batch. An upper bound: kept
@@ -130,6 +133,15 @@ def copies_at_nvlink_speed(plan, topology, dims, placement, planning_s=0.0, held
     return _with_weights(times, layer_time(plan, fast, dims, placement, planning_s, held)["weights_s"])
 
 
+def gradients_behind_backward(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
+    """Gradients going home are hidden; the weights going out are exposed as modelled."""
+    times = layer_time(plan, topology, dims, placement, planning_s, held)
+    placement = np.asarray(placement)
+    out = copy_seconds_per_rank(guest_transfers(plan, placement, held), topology, dims)
+    home_fwd = home_forward_seconds(plan, topology, dims, placement)
+    return _with_weights(times, exposed_weight_seconds(out, np.zeros_like(out), home_fwd))
+
+
 def transfers_and_planning_free(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
     """Only the plan's GEMM and token exchange count: what is left of the gap is the plan's balance."""
     times = layer_time(plan, topology, dims, placement, 0.0, held)
@@ -149,6 +161,7 @@ def kept_gradients_deferred(plan, topology, dims, placement, planning_s=0.0, hel
 FETCHED = {"as modelled": layer_time, "weights relayed over the rails": relayed_weights,
            "weights also behind the dispatch": weights_behind_dispatch,
            "inter-node copies at NVLink speed": copies_at_nvlink_speed,
+           "gradients behind the rest of the backward": gradients_behind_backward,
            "weights and planning free": transfers_and_planning_free}
 KEPT = {"copies kept, as modelled": layer_time, "copies kept, their gradients deferred": kept_gradients_deferred}
 
