@@ -73,6 +73,7 @@ class TopoEPPlanner(PlannerBase):
         rank_remote = node_link_class(self.topology)  # [R, R] across nodes
         held_cand = holds_held(held, cand)  # [R, C], or None
         kept = loads[cand] - spill0[cand]  # [C] pairs each candidate's home slot keeps after its spill
+
         def step(carry):
             state, crossing = carry
             e = first_argmax(state.spill)
