@@ -35,8 +35,16 @@ def test_every_plan_is_valid(num_experts, guest_slots, load):
         check_plan(plan, counts)
         if name == "none":
             base = imbalance(plan)
+            home_loads = np.asarray(plan.route).sum((0, 2))
         elif name == "topoep":
             assert imbalance(plan) <= base + 1e-6, "topoep made the balance worse than no balancing"
+        if name in ("topoep", "taot"):
+            # Copies go only where there is room below T*, and take at most that room (over-shedding
+            # included); home ranks only shed. So no rank ends above T* unless it started there,
+            # and none ends above where it started unless it ends at or below T*.
+            target = -(-counts.sum() // R)
+            loads_ = np.asarray(plan.route).sum((0, 2))
+            assert (loads_ <= np.maximum(home_loads, target)).all(), name
 
 
 @settings(max_examples=40)
