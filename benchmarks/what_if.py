@@ -43,9 +43,8 @@ import numpy as np
 
 from benchmarks import cluster
 from jtopoep import xla_cpu
-from jtopoep.costmodel import (copy_seconds_per_rank, exchange_seconds_per_rank, exposed_weight_seconds,
-                               guest_transfers, home_forward_seconds, home_rank_of_slots, ideal_layer_time,
-                               layer_time)
+from jtopoep.costmodel import (exchange_seconds_per_rank, exposed_weight_seconds, guest_copy_seconds,
+                               home_forward_seconds, ideal_layer_time, layer_time, shipped_guest_slots)
 from jtopoep.plan import home_plan
 from jtopoep.planners import get_planner
 from jtopoep.planners.routing import plan_from_quotas
@@ -66,15 +65,10 @@ def relayed_arrival_seconds(plan, topology: Topology, dims, placement, held=None
     two ranks, and the stages run one after another. Intra-node copies go directly in the first
     stage. A home rank sends a stripe to each GPU of its node once per expert, however many nodes
     get a copy (the reverse, for gradients, sums them there)."""
-    placement = np.asarray(placement)
-    home = placement.shape[1]
     gpus = topology.gpus_per_node
     ranks = topology.num_ranks
-    guests = np.asarray(plan.slot_expert)[:, home:]
-    sender = home_rank_of_slots(plan, placement)[:, home:]
-    shipped = sender >= 0
-    if held is not None:
-        shipped &= ~(guests[:, :, None] == np.asarray(held)[:, None, :]).any(2)
+    guests = np.asarray(plan.slot_expert)[:, np.asarray(placement).shape[1]:]
+    sender, shipped = shipped_guest_slots(plan, placement, held)
     spread, across, gather = (np.zeros((ranks, ranks)) for _ in range(3))  # stripes per stage
     spread_once = set()
     paths = []  # (guest host, the (rank, rank) pair of each stage a stripe passes)
@@ -120,10 +114,8 @@ def weights_behind_dispatch(plan, topology, dims, placement, planning_s=0.0, hel
     per_rank = exchange_seconds_per_rank(plan, topology, dims)
     idle_tail = per_rank.max() - per_rank
     home_fwd = home_forward_seconds(plan, topology, dims, placement)
-    every = copy_seconds_per_rank(guest_transfers(plan, np.asarray(placement)), topology, dims)
-    out = every if held is None else copy_seconds_per_rank(guest_transfers(plan, np.asarray(placement), held),
-                                                           topology, dims)
-    return _with_weights(times, exposed_weight_seconds(out - idle_tail, every - idle_tail, home_fwd))
+    out, back = guest_copy_seconds(plan, topology, dims, placement, held)
+    return _with_weights(times, exposed_weight_seconds(out - idle_tail, back - idle_tail, home_fwd))
 
 
 def copies_at_nvlink_speed(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
@@ -136,8 +128,7 @@ def copies_at_nvlink_speed(plan, topology, dims, placement, planning_s=0.0, held
 def gradients_behind_backward(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
     """Gradients going home are hidden; the weights going out are exposed as modelled."""
     times = layer_time(plan, topology, dims, placement, planning_s, held)
-    placement = np.asarray(placement)
-    out = copy_seconds_per_rank(guest_transfers(plan, placement, held), topology, dims)
+    out, _ = guest_copy_seconds(plan, topology, dims, placement, held)
     home_fwd = home_forward_seconds(plan, topology, dims, placement)
     return _with_weights(times, exposed_weight_seconds(out, np.zeros_like(out), home_fwd))
 
@@ -153,7 +144,7 @@ def kept_gradients_deferred(plan, topology, dims, placement, planning_s=0.0, hel
     times = layer_time(plan, topology, dims, placement, planning_s, held)
     if held is None:
         return times
-    shipped = copy_seconds_per_rank(guest_transfers(plan, np.asarray(placement), held), topology, dims)
+    shipped, _ = guest_copy_seconds(plan, topology, dims, placement, held)
     home_fwd = home_forward_seconds(plan, topology, dims, placement)
     return _with_weights(times, exposed_weight_seconds(shipped, shipped, home_fwd))
 

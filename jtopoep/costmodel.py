@@ -80,17 +80,25 @@ def home_rank_of_slots(plan: Plan, placement: np.ndarray) -> np.ndarray:
     return np.where(slot_expert >= 0, home_of_expert[np.maximum(slot_expert, 0)], -1)
 
 
-def guest_transfers(plan: Plan, placement: np.ndarray, held=None) -> np.ndarray:
-    """[R(home), R(guest host)] number of guest copies shipped from each home rank to each rank.
-    held: [R, K'] guest experts each rank already holds (the previous micro-batch's guest columns of
-    the same step, -1 empty); copies of those are kept, not shipped (jtopoep.guests)."""
-    num_ranks, home = placement.shape
+def shipped_guest_slots(plan: Plan, placement, held=None) -> tuple[np.ndarray, np.ndarray]:
+    """([R, K] home rank of each guest slot's expert, -1 empty; [R, K] whether its weights are
+    shipped). held: [R, K'] guest experts each rank already holds (the previous micro-batch's guest
+    columns of the same step, -1 empty); copies of those are kept, not shipped (jtopoep.guests)."""
+    home = np.asarray(placement).shape[1]
     guests = np.asarray(plan.slot_expert)[:, home:]
-    home_rank = home_rank_of_slots(plan, placement)[:, home:]
+    home_rank = home_rank_of_slots(plan, np.asarray(placement))[:, home:]
     shipped = home_rank >= 0
     if held is not None:
         held = np.asarray(held)
         shipped &= ~(guests[:, :, None] == held[:, None, :]).any(2)
+    return home_rank, shipped
+
+
+def guest_transfers(plan: Plan, placement: np.ndarray, held=None) -> np.ndarray:
+    """[R(home), R(guest host)] number of guest copies shipped from each home rank to each rank
+    (held: as shipped_guest_slots)."""
+    home_rank, shipped = shipped_guest_slots(plan, placement, held)
+    num_ranks = home_rank.shape[0]
     moves = np.zeros((num_ranks, num_ranks), np.int64)
     for d, h in zip(*np.nonzero(shipped)):
         moves[home_rank[d, h], d] += 1
@@ -119,6 +127,17 @@ def copy_seconds_per_rank(moves: np.ndarray, topology: Topology, dims: ExpertDim
         m = np.where(cls == c, moves.astype(np.float64), 0.0) * dims.expert_bytes / bw
         out = np.maximum(out, np.maximum(m.sum(0), m.sum(1)))
     return out
+
+
+def guest_copy_seconds(plan: Plan, topology: Topology, dims: ExpertDims, placement,
+                       held=None) -> tuple[np.ndarray, np.ndarray]:
+    """([R] seconds of guest weights going out, [R] seconds of guest gradients coming back) at each
+    rank: copies held already ship no weights, but every copy's gradients go home."""
+    placement = np.asarray(placement)
+    every_copy = copy_seconds_per_rank(guest_transfers(plan, placement), topology, dims)
+    if held is None:
+        return every_copy, every_copy
+    return copy_seconds_per_rank(guest_transfers(plan, placement, held), topology, dims), every_copy
 
 
 def home_forward_seconds(plan: Plan, topology: Topology, dims: ExpertDims, placement) -> np.ndarray:
@@ -153,10 +172,8 @@ def layer_time(plan: Plan, topology: Topology, dims: ExpertDims, placement,
     latency = topology.inter_latency if uses_inter else (topology.intra_latency if uses_intra else 0.0)
     exchange = EXCHANGES_PER_LAYER * (float(exchange_seconds_per_rank(plan, topology, dims).max()) + latency)
 
-    every_copy = copy_seconds_per_rank(guest_transfers(plan, placement), topology, dims)
-    weights_out = every_copy if held is None else copy_seconds_per_rank(guest_transfers(plan, placement, held),
-                                                                        topology, dims)
-    weights = exposed_weight_seconds(weights_out, every_copy, home_forward_seconds(plan, topology, dims, placement))
+    weights_out, grads_back = guest_copy_seconds(plan, topology, dims, placement, held)
+    weights = exposed_weight_seconds(weights_out, grads_back, home_forward_seconds(plan, topology, dims, placement))
 
     total = gemm + exchange + weights + planning_s
     return {"gemm_s": gemm, "exchange_s": exchange, "weights_s": weights, "planning_s": planning_s,
