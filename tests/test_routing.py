@@ -57,17 +57,30 @@ def reference_route(counts, slot_expert, quota, tiered):
         if tiered:
             for s in range(RANKS):  # own rank
                 fill(supply, capacity, flows, [s], [c for c in copies if c[0] == s])
-            for n in range(RANKS // GPUS):  # own node: shares in proportion to capacity
+            for n in range(RANKS // GPUS):  # own node
                 sources = [s for s in range(RANKS) if node[s] == n]
                 here = [c for c in copies if node[c[0]] == n]
                 total = sum(capacity[c] for c in here)
-                kept = np.float32(min(sum(supply[s] for s in sources), total))
+                node_supply = sum(supply[s] for s in sources)
+                kept = np.float32(min(node_supply, total))
+                # Copies take shares of what the node keeps in proportion to their capacity...
                 share = {c: min(capacity[c], int(np.floor(kept * np.float32(capacity[c]) / np.float32(max(total, 1)))))
                          for c in here}
-                before = dict(share)
-                fill(supply, share, flows, sources, here)
-                for c in here:
-                    capacity[c] -= before[c] - share[c]
+                copy_end = dict(zip(here, np.cumsum([share[c] for c in here])))
+                # ...and sources give them in proportion to their supply: source s gives the stretch
+                # [floor(scale x supply before s), floor(scale x supply up to s)) of the line, at
+                # most its supply, and each copy takes what lies in its own stretch.
+                scale = np.float32(sum(share.values())) / np.float32(max(node_supply, 1))
+                before = 0
+                for s in sources:
+                    lo = int(np.floor(scale * np.float32(before)))
+                    hi = min(int(np.floor(scale * np.float32(before + supply[s]))), lo + supply[s])
+                    before += supply[s]
+                    for c in here:
+                        moved = max(min(hi, copy_end[c]) - max(lo, copy_end[c] - share[c]), 0)
+                        flows[s][c] += moved
+                        supply[s] -= moved
+                        capacity[c] -= moved
         fill(supply, capacity, flows, range(RANKS), copies)  # anywhere
         for s in range(RANKS):
             for (d, j), moved in flows[s].items():

@@ -28,8 +28,8 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     Greedy transport by interval overlap, per expert: lay its sources (rank order) and its copies
     (rank order) end to end on one line each, by prefix sums, and send along the overlap of their
     intervals. With tiered=True a source first fills the copy on its own rank, then copies on its
-    own node (prefix sums that restart at each node; the pairs a node keeps are shared among its
-    copies in proportion to their capacity), then anywhere, each tier on what the previous left;
+    own node (the pairs a node keeps are shared among its copies in proportion to their capacity
+    and taken from its sources in proportion to their supply), then anywhere, each tier on what the previous left;
     tiered=False is the topology-oblivious split.
 
     Only experts with guest copies need this; every other expert sends all its pairs to its home
@@ -80,16 +80,17 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     rank = _nonnegative_div(xp.maximum(listed, 0), num_slots, xp)
     node = _nonnegative_div(rank, gpus_per_node, xp)
 
-    def copy_prefix(cap, first_rank, width: int, whole: bool = False):
-        """[m] end of each copy's interval: the capacity of the copies of its expert on ranks
-        first_rank .. its own (a rank holds at most one copy of an expert, so rank order is the
-        copies' order), or on all `width` ranks from first_rank (whole). Looked up in a [rank,
-        expert] table of capacities, [m, width] elements, where a masked sum over all pairs of
-        entries took [m, m] (and XLA:CPU split that over threads, which cost more than the sum)."""
+    def copy_prefix(cap, first_rank, width: int):
+        """([m] end of each copy's interval, [m] length of the whole line): the capacity of the
+        copies of its expert on ranks first_rank .. its own (a rank holds at most one copy of an
+        expert, so rank order is the copies' order), and on all `width` ranks from first_rank.
+        Looked up in a [rank, expert] table of capacities, [m, width] elements, where a masked sum
+        over all pairs of entries took [m, m] (and XLA:CPU split that over threads, which cost
+        more than the sum)."""
         table = scatter_add((num_ranks, num_ids), (rank, safe), xp.where(valid, cap, 0), xp)
         at = first_rank[:, None] + xp.arange(width, dtype=xp.int32)[None, :]  # [m, width]
         mine = table[xp.minimum(at, num_ranks - 1), safe[:, None]]
-        return mine.sum(1) if whole else xp.where(at <= rank[:, None], mine, 0).sum(1)
+        return xp.where(at <= rank[:, None], mine, 0).sum(1), mine.sum(1)
 
     sources = xp.arange(num_ranks)
     flow = xp.zeros((num_ranks, m), xp.int32)  # [source, listed slot]
@@ -109,19 +110,27 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
         src = node[:, None] * gpus_per_node + xp.arange(gpus_per_node)[None, :]  # [m, G]
         node_supply = supply[src, safe[:, None]]
         s_hi = prefix_sum(node_supply, 1, xp)
-        node_capacity = copy_prefix(capacity, node * gpus_per_node, gpus_per_node, whole=True)
+        _, node_capacity = copy_prefix(capacity, node * gpus_per_node, gpus_per_node)
         kept = xp.minimum(s_hi[:, -1], node_capacity).astype(xp.float32)
         share = xp.floor(kept * capacity.astype(xp.float32) / xp.maximum(node_capacity, 1).astype(xp.float32))
         share = xp.minimum(share.astype(xp.int32), capacity)
-        c_hi = copy_prefix(share, node * gpus_per_node, gpus_per_node)
-        in_node = _overlap(s_hi, node_supply, c_hi[:, None], share[:, None], xp)  # [m, G]
+        c_hi, taken = copy_prefix(share, node * gpus_per_node, gpus_per_node)
+        # Likewise the node's sources give those pairs in proportion to their supply: source s's
+        # interval on the line is [floor(taken x before / all), floor(taken x (before + its
+        # supply) / all)), float32 as above and no longer than its supply. (Taking them in rank
+        # order left the node's last sources to send all it cannot keep across nodes, and the
+        # exchange waits for the rank that sends the most across nodes.)
+        scale = taken.astype(xp.float32)[:, None] / xp.maximum(s_hi[:, -1:], 1).astype(xp.float32)
+        g_lo = xp.floor(scale * (s_hi - node_supply).astype(xp.float32)).astype(xp.int32)
+        g_hi = xp.minimum(xp.floor(scale * s_hi.astype(xp.float32)).astype(xp.int32), g_lo + node_supply)
+        in_node = _overlap(g_hi, g_hi - g_lo, c_hi[:, None], share[:, None], xp)  # [m, G]
         supply = supply - scatter_add((num_ranks, num_ids), (src, xp.broadcast_to(safe[:, None], src.shape)),
                                       in_node, xp)
         capacity = capacity - in_node.sum(1)
         same_node = (sources // gpus_per_node)[:, None] == node[None, :]
         flow = flow + xp.where(same_node, in_node.T[sources % gpus_per_node], 0)
     supply = supply[:, safe]  # [R, m]
-    c_hi = copy_prefix(capacity, xp.zeros_like(rank), num_ranks)
+    c_hi, _ = copy_prefix(capacity, xp.zeros_like(rank), num_ranks)
     anywhere = _overlap(prefix_sum(supply, 0, xp), supply, c_hi[None, :], capacity[None, :], xp)
     flow = xp.where(valid[None, :], flow + anywhere, 0)
     # Written into the listed slots' columns by a scatter, which makes XLA compute `flow` once; as a
