@@ -29,8 +29,8 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     (rank order) end to end on one line each, by prefix sums, and send along the overlap of their
     intervals. With tiered=True a source first fills the copy on its own rank, then copies on its
     own node (the pairs a node keeps are shared among its copies in proportion to their capacity
-    and taken from its sources in proportion to their supply), then anywhere, each tier on what the previous left;
-    tiered=False is the topology-oblivious split.
+    and taken from its sources in proportion to their supply), then anywhere, each tier on what
+    the previous left; tiered=False is the topology-oblivious split.
 
     Only experts with guest copies need this; every other expert sends all its pairs to its home
     slot. The transport runs on the m = 2 * R * K slots that can hold such copies (the guest slots,
