@@ -117,6 +117,24 @@ def test_tiered_routing_feeds_copies_from_their_own_node_first():
     assert crossing(route) <= crossing(oblivious)
 
 
+def test_a_node_feeds_its_copy_from_every_source_in_proportion():
+    # Expert 0 lives on rank 0 (node 0); node 1's sources hold all its pairs, 0, 20, 30 and 50 on
+    # ranks 4-7, and its one copy, on rank 4, takes half of them. Each source keeps half of its own
+    # pairs on the node and sends half across; in rank order rank 7 would send all 50 across.
+    counts = np.zeros((RANKS, EXPERTS), np.int32)
+    counts[4:, 0] = (0, 20, 30, 50)
+    placement = np.arange(EXPERTS).reshape(RANKS, -1)
+    guests = np.full((RANKS, GUESTS), -1)
+    guests[4, 0] = 0
+    slot_expert = np.concatenate([placement, guests], axis=1).astype(np.int32)
+    quota = np.where(slot_expert == 0, 50, 0).astype(np.int32)
+    home = placement.shape[1]
+    for xp in (np, jnp):
+        route = np.asarray(plan_from_quotas(counts, slot_expert, quota, GPUS, True, xp).route)
+        np.testing.assert_array_equal(route[4:, 4, home], (0, 10, 15, 25))
+        np.testing.assert_array_equal(route[4:, 0, 0], (0, 10, 15, 25))
+
+
 def test_spill_matches_sorted_definition():
     rng = np.random.default_rng(0)
     jitted = jax.jit(spill_per_expert)
