@@ -24,7 +24,8 @@ under variants of the cost model (the planners themselves are unchanged; only `t
 It also searches for copies the planners do not make: into the free guest slots of topoep's plans, a
 greedy search adds copies that serve one node's own pairs of an expert homed elsewhere, as long as
 the cost model's layer time falls (sampled layers of one micro-batch). That asks whether the planner
-leaves exchange time on the table.
+leaves exchange time on the table. And on the same layers, the fastest routing of topoep's own copies
+and quotas, from a linear program (best_routing): how much of the exchange gap is the routing rule's.
 
 None of this is the cost model the planners and the headline projection use: these are questions,
 with their answers in results/what_if.md.
@@ -43,8 +44,9 @@ import numpy as np
 
 from benchmarks import cluster
 from jtopoep import xla_cpu
-from jtopoep.costmodel import (exchange_seconds_per_rank, exposed_weight_seconds, guest_copy_seconds,
-                               home_forward_seconds, ideal_layer_time, layer_time, shipped_guest_slots)
+from jtopoep.costmodel import (EXCHANGES_PER_LAYER, exchange_seconds_per_rank, exposed_weight_seconds,
+                               guest_copy_seconds, home_forward_seconds, ideal_layer_time, layer_time,
+                               link_class, shipped_guest_slots)
 from jtopoep.plan import home_plan
 from jtopoep.planners import get_planner
 from jtopoep.planners.routing import plan_from_quotas
@@ -223,6 +225,93 @@ def locality_search(model: str, topology: Topology, sample_layers: int) -> dict:
     return {**total, "layers": layers}
 
 
+def best_routing(plan, counts, topology: Topology, dims) -> tuple[float, np.ndarray]:
+    """The routing of the plan's own copies and quotas with the fastest token exchange: a linear
+    program over how many pairs each source sends to each copy of every expert with copies, that
+    minimises the slowest rank's transfer time (either direction, either link class, as
+    costmodel.exchange_seconds_per_rank prices it). Pairs of experts without copies go home as
+    before. Returns (seconds of one exchange without latency, the route [s, d, S] as floats).
+
+    An upper bound on what any routing rule could do for these slot contents and quotas (the
+    integer routing can only be slower); it asks how much of the exchange gap is routing's."""
+    from scipy.optimize import linprog
+    from scipy.sparse import coo_matrix
+
+    route = np.asarray(plan.route).astype(np.float64)
+    slot_expert = np.asarray(plan.slot_expert).reshape(-1)
+    num_ranks, _, num_slots = route.shape
+    copies = np.bincount(slot_expert[slot_expert >= 0], minlength=counts.shape[1])
+    free = np.nonzero((slot_expert >= 0) & (copies[np.maximum(slot_expert, 0)] > 1))[0]  # [n] slots
+    if free.size == 0:
+        return float(exchange_seconds_per_rank(plan, topology, dims).max()), route
+    n = free.size
+    flat = route.reshape(num_ranks, -1)
+    fixed = flat.copy()
+    fixed[:, free] = 0.0
+    fixed = fixed.reshape(route.shape).sum(2)  # [s, d] pairs that stay as they are
+    host = free // num_slots  # [n] rank of each free slot
+    experts, expert_of = np.unique(slot_expert[free], return_inverse=True)
+    cls = link_class(topology)
+    per_pair = {1: dims.pair_bytes / topology.intra_bw, 2: dims.pair_bytes / topology.inter_bw}
+    src = np.repeat(np.arange(num_ranks), n)  # variable s * n + j
+    slot = np.tile(np.arange(n), num_ranks)
+    var = np.arange(num_ranks * n)
+    # Every slot takes its quota, and every source sends each such expert all its pairs.
+    eq = coo_matrix((np.ones(2 * var.size), (np.concatenate([slot, n + expert_of[slot] * num_ranks + src]),
+                                             np.concatenate([var, var]))),
+                    shape=(n + experts.size * num_ranks, var.size + 1))
+    b_eq = np.concatenate([flat[:, free].sum(0), counts[:, experts].T.reshape(-1)])
+    # Rows (class c, send / receive, rank): k_c x (variable pairs + fixed pairs) <= t.
+    rows, cols, vals, b_ub = [], [], [], []
+    link = cls[src, host[slot]]
+    for i, c in enumerate((1, 2)):
+        on = link == c
+        rows += [(2 * i) * num_ranks + src[on], (2 * i + 1) * num_ranks + host[slot[on]]]
+        cols += [var[on], var[on]]
+        vals += [np.full(on.sum(), per_pair[c])] * 2
+        mine = np.where(cls == c, fixed, 0.0)
+        b_ub += [-per_pair[c] * mine.sum(1), -per_pair[c] * mine.sum(0)]
+    rows.append(np.arange(4 * num_ranks))
+    cols.append(np.full(4 * num_ranks, var.size))
+    vals.append(-np.ones(4 * num_ranks))
+    ub = coo_matrix((np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+                    shape=(4 * num_ranks, var.size + 1))
+    objective = np.zeros(var.size + 1)
+    objective[-1] = 1.0
+    result = linprog(objective, A_ub=ub.tocsr(), b_ub=np.concatenate(b_ub), A_eq=eq.tocsr(), b_eq=b_eq,
+                     bounds=(0, None), method="highs")
+    if result.status != 0:
+        raise RuntimeError(f"the routing program did not solve: {result.message}")
+    best = flat.copy()
+    best[:, free] = result.x[:-1].reshape(num_ranks, n)
+    return float(result.x[-1]), best.reshape(route.shape)
+
+
+def routing_bound(model: str, topology: Topology, sample_layers: int) -> dict:
+    """topoep's exchange against best_routing's and ideal's on sampled layers of one micro-batch
+    (ms of the four exchanges of those layers, with latency), and the pairs each sends across nodes."""
+    cfg = cluster.load_model(model)
+    dep = cluster.Deployment(cfg, topology.num_ranks)
+    placement = np.arange(dep.num_experts).reshape(topology.num_ranks, -1)
+    planner = jax.jit(get_planner("topoep", topology=topology, num_experts=dep.num_experts, guest_slots=2,
+                                  dims=dep.dims))
+    micro = cluster.model_traces(model, topology.num_ranks, 1, None)[0]
+    layers = list(range(0, len(micro), max(1, len(micro) // sample_layers)))[:sample_layers]
+    across = link_class(topology) == 2
+    total = {"topoep_s": 0.0, "best_s": 0.0, "ideal_s": 0.0, "topoep_inter_pairs": 0.0, "best_inter_pairs": 0.0}
+    for layer in layers:
+        counts = dep.expand(micro[layer])
+        plan = jax.device_get(planner(counts))
+        seconds, route = best_routing(plan, counts, topology, dep.dims)
+        base = home_plan(jnp.asarray(counts), jnp.asarray(placement), 0)
+        total["topoep_s"] += layer_time(plan, topology, dep.dims, placement)["exchange_s"]
+        total["best_s"] += EXCHANGES_PER_LAYER * (seconds + topology.inter_latency)
+        total["ideal_s"] += ideal_layer_time(base, topology, dep.dims)["exchange_s"]
+        total["topoep_inter_pairs"] += float(np.asarray(plan.route).sum(2)[across].sum())
+        total["best_inter_pairs"] += float(route.sum(2)[across].sum())
+    return {**total, "layers": layers}
+
+
 def markdown(results: dict) -> str:
     lines = ["Projected share of `ideal`'s gain over `none` (weights term, ms per step) for the same plans "
              "under other cost-model assumptions (benchmarks/what_if.py says what each assumes). Not the "
@@ -243,6 +332,16 @@ def markdown(results: dict) -> str:
     for model, r in results["locality_search"].items():
         lines.append(f"| {model} | {len(r['layers'])} | {1e3 * r['topoep_s']:.2f} | {1e3 * r['searched_s']:.2f} | "
                      f"{r['copies_added']} | {1e3 * r['ideal_s']:.2f} |")
+    lines += ["", "### Routing with topoep's copies and quotas fixed (K = 2, the same sampled layers)", "",
+              "The exchange term of those layers (ms) under topoep's routing, under the routing a linear program "
+              "finds fastest for the same slot contents and quotas (best_routing), and under ideal; and the "
+              "pairs each sends across nodes.", "",
+              "| model | topoep exchange ms | best routing ms | change | ideal ms | pairs across nodes: topoep, best |",
+              "|---|---|---|---|---|---|"]
+    for model, r in results["routing_bound"].items():
+        lines.append(f"| {model} | {1e3 * r['topoep_s']:.2f} | {1e3 * r['best_s']:.2f} | "
+                     f"{100 * (r['best_s'] / r['topoep_s'] - 1):+.1f}% | {1e3 * r['ideal_s']:.2f} | "
+                     f"{r['topoep_inter_pairs']:,.0f}, {r['best_inter_pairs']:,.0f} |")
     return "\n".join(lines + [""])
 
 
@@ -252,14 +351,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--model", action="append", choices=cluster.MODELS, help="repeatable; default: all presets")
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--keep-microbatches", type=int, default=4)
-    parser.add_argument("--sample-layers", type=int, default=4, help="layers per model in the copy search")
+    parser.add_argument("--sample-layers", type=int, default=4,
+                        help="layers per model in the copy search and the routing bound")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
     xla_cpu.configure()
     topology = Topology.preset(args.topology)
     latency = cluster.planning_latency(RESULTS / "planners.json")
     results = {"topology": args.topology, "keep_microbatches": args.keep_microbatches, "projections": {},
-               "locality_search": {}}
+               "locality_search": {}, "routing_bound": {}}
     for model in args.model or cluster.MODELS:
         mats = cluster.model_traces(model, topology.num_ranks, args.microbatches, None)
         step = cluster.model_traces(model, topology.num_ranks, args.keep_microbatches, None)
@@ -270,6 +370,7 @@ def main(argv=None) -> dict:
             rows[label] = cluster.project(model, topology, 2, latency, step, 8, 0.0, keep_copies=True, timing=timing)
         results["projections"][model] = rows
         results["locality_search"][model] = locality_search(model, topology, args.sample_layers)
+        results["routing_bound"][model] = routing_bound(model, topology, args.sample_layers)
         print(model, "done", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "what_if.json").write_text(json.dumps(results, indent=1))

@@ -5,7 +5,7 @@ import numpy as np
 
 from benchmarks import cluster, what_if
 from benchmarks.loads import all_families, synthetic_families
-from jtopoep.costmodel import ExpertDims, layer_time
+from jtopoep.costmodel import ExpertDims, exchange_seconds_per_rank, layer_time
 from jtopoep.plan import Plan, check_plan, home_plan
 from jtopoep.planners.common import even_quotas
 from jtopoep.planners.eplb import eplb_slots
@@ -117,6 +117,30 @@ def test_locality_search_adds_copies_that_pay_and_keeps_plans_valid():
     assert added == (found[:, 2:] >= 0).sum() > 0
     assert seconds == layer_time(searched, topology, dims, placement)["total_s"]
     assert seconds < layer_time(plan, topology, dims, placement)["total_s"]
+
+
+def test_best_routing_keeps_the_plans_copies_and_quotas_and_is_never_slower():
+    """The linear program's routing of an eplb plan (topology-oblivious routing, many copies) keeps
+    every slot's quota and every source's pairs of every expert, prices as it says, and is faster
+    than the plan's; with no copies there is nothing to choose."""
+    topology = Topology.preset("h800-2x8")
+    dims = ExpertDims(d_model=2048, expert_hidden=1408)
+    counts = synthetic_families(16, 32, 512, steps=1)["zipf-1.0"][0]
+    placement = np.arange(32).reshape(16, 2)
+    slot_expert, _ = eplb_slots(counts, placement, 2, 0.0, np)
+    plan = plan_from_quotas(counts, slot_expert, even_quotas(slot_expert, counts.sum(0), np), 8, False, np)
+    seconds, route = what_if.best_routing(plan, counts, topology, dims)
+    np.testing.assert_allclose(route.sum(0), np.asarray(plan.route).sum(0), atol=1e-6)
+    per_expert = np.zeros_like(counts, np.float64)
+    for e in range(32):
+        per_expert[:, e] = route[:, slot_expert == e].sum(1)
+    np.testing.assert_allclose(per_expert, counts, atol=1e-6)
+    assert (route > -1e-9).all()
+    priced = exchange_seconds_per_rank(Plan(slot_expert, route), topology, dims).max()
+    np.testing.assert_allclose(priced, seconds, rtol=1e-6)
+    assert seconds < exchange_seconds_per_rank(plan, topology, dims).max()
+    alone = Plan(*map(np.asarray, home_plan(jnp.asarray(counts), jnp.asarray(placement), 2)))
+    assert what_if.best_routing(alone, counts, topology, dims)[0] == exchange_seconds_per_rank(alone, topology, dims).max()
 
 
 def test_gpu_check_finds_the_home_gemms_in_the_schedule(devices):
