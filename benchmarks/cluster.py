@@ -14,8 +14,8 @@ and --keep-microbatches micro-batches as the gradient-accumulation micro-batches
 step, once fetching every copy and once where a rank that holds a guest copy again keeps it from the
 previous micro-batch and ships no weights for it (moe.keep_copies; its gradients still go home),
 and K = 2 with taot's score weighted for time (TIME_TAOT) rather than for weighted communication
-cost, its defaults. The DeepSeek-V2-Lite traces hold 3 micro-batches of 32 ranks, so a fourth repeats the first (never
-the one before it).
+cost, its defaults. The DeepSeek-V2-Lite traces hold 3 micro-batches of 32 ranks, so a fourth
+repeats the first (never the one before it).
 Planning latency: the planner benchmark's jitted CPU median in its own configuration (calls inline,
 jtopoep.xla_cpu's settings; benchmarks/results/planners.json), stated as a CPU figure until a GPU
 one exists.
