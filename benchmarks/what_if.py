@@ -44,9 +44,9 @@ import numpy as np
 
 from benchmarks import cluster
 from jtopoep import xla_cpu
-from jtopoep.costmodel import (EXCHANGES_PER_LAYER, exchange_seconds_per_rank, exposed_weight_seconds,
-                               guest_copy_seconds, home_forward_seconds, ideal_layer_time, layer_time,
-                               link_class, shipped_guest_slots)
+from jtopoep.costmodel import (EXCHANGES_PER_LAYER, ExpertDims, exchange_seconds_per_rank,
+                               exposed_weight_seconds, guest_copy_seconds, home_forward_seconds,
+                               ideal_layer_time, layer_time, link_class, shipped_guest_slots)
 from jtopoep.plan import home_plan
 from jtopoep.planners import get_planner
 from jtopoep.planners.routing import plan_from_quotas
@@ -204,26 +204,42 @@ def add_locality_copies(counts, plan, topology: Topology, dims, placement, exper
     return slot_expert, quota, best, added
 
 
-def locality_search(model: str, topology: Topology, sample_layers: int) -> dict:
+@dataclasses.dataclass(frozen=True)
+class SampledLayers:
+    """topoep's plans (K = 2) on sampled layers of one micro-batch of a model, and ideal's times for
+    those layers: what the copy search and the routing bound both start from, planned once."""
+    dims: ExpertDims
+    placement: np.ndarray
+    layers: list[int]
+    counts: list[np.ndarray]
+    plans: list
+    ideal: list[dict]  # costmodel.ideal_layer_time of each layer's home plan
+
+
+def sample_layers(model: str, topology: Topology, num_layers: int) -> SampledLayers:
     cfg = cluster.load_model(model)
     dep = cluster.Deployment(cfg, topology.num_ranks)
     placement = np.arange(dep.num_experts).reshape(topology.num_ranks, -1)
     planner = jax.jit(get_planner("topoep", topology=topology, num_experts=dep.num_experts, guest_slots=2,
                                   dims=dep.dims))
     micro = cluster.model_traces(model, topology.num_ranks, 1, None)[0]
-    layers = list(range(0, len(micro), max(1, len(micro) // sample_layers)))[:sample_layers]
-    total = {"topoep_s": 0.0, "searched_s": 0.0, "ideal_s": 0.0, "copies_added": 0}
-    for layer in layers:
-        counts = dep.expand(micro[layer])
-        plan = jax.device_get(planner(counts))
-        _, _, seconds, added = add_locality_copies(counts, plan, topology, dep.dims, placement)
-        base = home_plan(jnp.asarray(counts), jnp.asarray(placement), 0)
-        total["topoep_s"] += layer_time(plan, topology, dep.dims, placement)["total_s"]
-        total["searched_s"] += seconds
-        total["ideal_s"] += ideal_layer_time(base, topology, dep.dims)["total_s"]
-        total["copies_added"] += added
-    return {**total, "layers": layers}
+    layers = list(range(0, len(micro), max(1, len(micro) // num_layers)))[:num_layers]
+    counts = [dep.expand(micro[layer]) for layer in layers]
+    plans = [jax.device_get(planner(c)) for c in counts]
+    ideal = [ideal_layer_time(home_plan(jnp.asarray(c), jnp.asarray(placement), 0), topology, dep.dims)
+             for c in counts]
+    return SampledLayers(dep.dims, placement, layers, counts, plans, ideal)
 
+
+def locality_search(sample: SampledLayers, topology: Topology) -> dict:
+    total = {"topoep_s": 0.0, "searched_s": 0.0, "ideal_s": 0.0, "copies_added": 0}
+    for counts, plan, ideal in zip(sample.counts, sample.plans, sample.ideal):
+        _, _, seconds, added = add_locality_copies(counts, plan, topology, sample.dims, sample.placement)
+        total["topoep_s"] += layer_time(plan, topology, sample.dims, sample.placement)["total_s"]
+        total["searched_s"] += seconds
+        total["ideal_s"] += ideal["total_s"]
+        total["copies_added"] += added
+    return {**total, "layers": sample.layers}
 
 def best_routing(plan, counts, topology: Topology, dims) -> tuple[float, np.ndarray]:
     """The routing of the plan's own copies and quotas with the fastest token exchange: a linear
@@ -287,30 +303,19 @@ def best_routing(plan, counts, topology: Topology, dims) -> tuple[float, np.ndar
     return float(result.x[-1]), best.reshape(route.shape)
 
 
-def routing_bound(model: str, topology: Topology, sample_layers: int) -> dict:
-    """topoep's exchange against best_routing's and ideal's on sampled layers of one micro-batch
-    (ms of the four exchanges of those layers, with latency), and the pairs each sends across nodes."""
-    cfg = cluster.load_model(model)
-    dep = cluster.Deployment(cfg, topology.num_ranks)
-    placement = np.arange(dep.num_experts).reshape(topology.num_ranks, -1)
-    planner = jax.jit(get_planner("topoep", topology=topology, num_experts=dep.num_experts, guest_slots=2,
-                                  dims=dep.dims))
-    micro = cluster.model_traces(model, topology.num_ranks, 1, None)[0]
-    layers = list(range(0, len(micro), max(1, len(micro) // sample_layers)))[:sample_layers]
+def routing_bound(sample: SampledLayers, topology: Topology) -> dict:
+    """topoep's exchange against best_routing's and ideal's on the sampled layers (ms of the four
+    exchanges of those layers, with latency), and the pairs each sends across nodes."""
     across = link_class(topology) == 2
     total = {"topoep_s": 0.0, "best_s": 0.0, "ideal_s": 0.0, "topoep_inter_pairs": 0.0, "best_inter_pairs": 0.0}
-    for layer in layers:
-        counts = dep.expand(micro[layer])
-        plan = jax.device_get(planner(counts))
-        seconds, route = best_routing(plan, counts, topology, dep.dims)
-        base = home_plan(jnp.asarray(counts), jnp.asarray(placement), 0)
-        total["topoep_s"] += layer_time(plan, topology, dep.dims, placement)["exchange_s"]
+    for counts, plan, ideal in zip(sample.counts, sample.plans, sample.ideal):
+        seconds, route = best_routing(plan, counts, topology, sample.dims)
+        total["topoep_s"] += layer_time(plan, topology, sample.dims, sample.placement)["exchange_s"]
         total["best_s"] += EXCHANGES_PER_LAYER * (seconds + topology.inter_latency)
-        total["ideal_s"] += ideal_layer_time(base, topology, dep.dims)["exchange_s"]
+        total["ideal_s"] += ideal["exchange_s"]
         total["topoep_inter_pairs"] += float(np.asarray(plan.route).sum(2)[across].sum())
         total["best_inter_pairs"] += float(route.sum(2)[across].sum())
-    return {**total, "layers": layers}
-
+    return {**total, "layers": sample.layers}
 
 def markdown(results: dict) -> str:
     lines = ["Projected share of `ideal`'s gain over `none` (weights term, ms per step) for the same plans "
@@ -369,8 +374,9 @@ def main(argv=None) -> dict:
         for label, timing in KEPT.items():
             rows[label] = cluster.project(model, topology, 2, latency, step, 8, 0.0, keep_copies=True, timing=timing)
         results["projections"][model] = rows
-        results["locality_search"][model] = locality_search(model, topology, args.sample_layers)
-        results["routing_bound"][model] = routing_bound(model, topology, args.sample_layers)
+        sample = sample_layers(model, topology, args.sample_layers)
+        results["locality_search"][model] = locality_search(sample, topology)
+        results["routing_bound"][model] = routing_bound(sample, topology)
         print(model, "done", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "what_if.json").write_text(json.dumps(results, indent=1))

@@ -83,16 +83,23 @@ def test_relayed_weights_arrive_over_every_rail():
     np.testing.assert_array_equal(what_if.relayed_arrival_seconds(plan, topology, dims, placement, held), 0)
 
 
-def test_what_if_variants_change_only_the_weights_term():
-    """On an eplb plan (many inter-node copies): every variant keeps GEMM and exchange as modelled,
-    and those that only remove transfer time (NVLink-speed copies, hiding behind the dispatch or the
-    rest of the backward) never price the weights above the cost model."""
+def eplb_plan_on_zipf():
+    """(topology, dims, counts, placement, eplb's plan) on a skewed load: h800-2x8, E = 32, K = 2,
+    eplb's slots with even quotas and topology-oblivious routing (many inter-node copies)."""
     topology = Topology.preset("h800-2x8")
     dims = ExpertDims(d_model=2048, expert_hidden=1408)
     counts = synthetic_families(16, 32, 512, steps=1)["zipf-1.0"][0]
     placement = np.arange(32).reshape(16, 2)
     slot_expert, _ = eplb_slots(counts, placement, 2, 0.0, np)
     plan = plan_from_quotas(counts, slot_expert, even_quotas(slot_expert, counts.sum(0), np), 8, False, np)
+    return topology, dims, counts, placement, plan
+
+
+def test_what_if_variants_change_only_the_weights_term():
+    """On an eplb plan (many inter-node copies): every variant keeps GEMM and exchange as modelled,
+    and those that only remove transfer time (NVLink-speed copies, hiding behind the dispatch or the
+    rest of the backward) never price the weights above the cost model."""
+    topology, dims, _, placement, plan = eplb_plan_on_zipf()
     base = layer_time(plan, topology, dims, placement)
     assert base["weights_s"] > 0
     for variant in list(what_if.FETCHED.values()) + list(what_if.KEPT.values()):
@@ -123,12 +130,8 @@ def test_best_routing_keeps_the_plans_copies_and_quotas_and_is_never_slower():
     """The linear program's routing of an eplb plan (topology-oblivious routing, many copies) keeps
     every slot's quota and every source's pairs of every expert, prices as it says, and is faster
     than the plan's; with no copies there is nothing to choose."""
-    topology = Topology.preset("h800-2x8")
-    dims = ExpertDims(d_model=2048, expert_hidden=1408)
-    counts = synthetic_families(16, 32, 512, steps=1)["zipf-1.0"][0]
-    placement = np.arange(32).reshape(16, 2)
-    slot_expert, _ = eplb_slots(counts, placement, 2, 0.0, np)
-    plan = plan_from_quotas(counts, slot_expert, even_quotas(slot_expert, counts.sum(0), np), 8, False, np)
+    topology, dims, counts, placement, plan = eplb_plan_on_zipf()
+    slot_expert = np.asarray(plan.slot_expert)
     seconds, route = what_if.best_routing(plan, counts, topology, dims)
     np.testing.assert_allclose(route.sum(0), np.asarray(plan.route).sum(0), atol=1e-6)
     per_expert = np.zeros_like(counts, np.float64)
