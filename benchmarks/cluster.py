@@ -34,7 +34,7 @@ import numpy as np
 import yaml
 
 from jtopoep import traces, xla_cpu
-from jtopoep.config import CONFIG_DIR, ModelConfig, section_from_dict
+from jtopoep.config import CONFIG_DIR, ModelConfig, MoEConfig, section_from_dict
 from jtopoep.costmodel import ExpertDims, ideal_layer_time, layer_time
 from jtopoep.plan import home_plan
 from jtopoep.planners import get_planner
@@ -78,7 +78,8 @@ class Deployment:
 
     @property
     def dims(self) -> ExpertDims:
-        return ExpertDims(self.model.d_model, self.model.expert_hidden // self.slices, self.model.element_bytes)
+        return ExpertDims(self.model.d_model, self.model.expert_hidden // self.slices, self.model.element_bytes,
+                          MoEConfig.guest_weight_chunks)
 
     @property
     def padding(self) -> np.ndarray:

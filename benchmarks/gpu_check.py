@@ -13,7 +13,8 @@
    ragged-dot or dense dots;
 4. whether XLA:GPU schedules the guest-weight transfer around the home-slot GEMM (the overlap the
    cost model assumes): in the compiled layer's schedule, the home GEMMs between the transfer's
-   async start and done;
+   async start and done; and, with the weights in slices (moe.guest_weight_chunks), whether each
+   slice's guest GEMMs run while the next slice is still in transfer;
 5. the dispatch benchmark with the `ragged` transport;
 6. a short training run of the tiny model with the `ragged` transport.
 Writes DIR/gpu_check.json and prints a summary.
@@ -32,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks.loads import synthetic_families
 from benchmarks.planners import latency, make
+from jtopoep.config import MoEConfig
 from jtopoep.dispatch import ExpertWeights, moe_dispatch
 from jtopoep.plan import contiguous_placement
 from jtopoep.planners import get_planner
@@ -67,7 +69,7 @@ def dispatch_layer(planner, mesh, experts: int, backend: str, hierarchical: bool
 
     def body(x, ids, gates, wg, wu, wd):
         return moe_dispatch(x, ids, gates, ExpertWeights(wg, wu, wd), placement, planner, backend=backend,
-                            hierarchical=hierarchical)[0]
+                            hierarchical=hierarchical, weight_chunks=MoEConfig.guest_weight_chunks)[0]
 
     return jax.shard_map(body, mesh=mesh, in_specs=(SPEC,) * 6, out_specs=SPEC)
 
@@ -96,7 +98,7 @@ def check_kept_copies(out: dict, backend: str = "ragged") -> None:
     """Guest weights with copies kept from a previous micro-batch (jtopoep.guests), `backend`
     against `dense`: the fetched weights and the weights' gradient (the custom VJP's transpose of a
     ragged all-to-all)."""
-    from jtopoep.guests import GuestCopies, fetch_guest_weights, kept_slots
+    from jtopoep.guests import GuestCopies, fetch_guest_weights, join_hidden, kept_slots
 
     topology, mesh, args, experts = layer_inputs()
     ranks, slots = topology.num_ranks, 2
@@ -112,9 +114,10 @@ def check_kept_copies(out: dict, backend: str = "ragged") -> None:
     for each in (backend, "dense"):
         def body(wg, wu, wd, cg, cu, cd, backend=each):
             me = jax.lax.axis_index("node") * topology.gpus_per_node + jax.lax.axis_index("gpu")
-            got = fetch_guest_weights(ExpertWeights(wg, wu, wd), guests, placement, me,
-                                      gpus_per_node=topology.gpus_per_node, backend=backend, hierarchical=False,
-                                      previous=GuestCopies(held, ExpertWeights(cg, cu, cd)))
+            got = join_hidden(fetch_guest_weights(ExpertWeights(wg, wu, wd), guests, placement, me,
+                                                  gpus_per_node=topology.gpus_per_node, backend=backend,
+                                                  hierarchical=False, previous=GuestCopies(held, ExpertWeights(cg, cu, cd)),
+                                                  chunks=MoEConfig.guest_weight_chunks))
             return jax.lax.psum(sum((g ** 2).sum() for g in got), ("node", "gpu")), got
 
         fn = jax.shard_map(body, mesh=mesh, in_specs=(SPEC,) * 6, out_specs=(P(), ExpertWeights(SPEC, SPEC, SPEC)))
@@ -187,23 +190,37 @@ def guest_overlap(out: dict, backend: str = "ragged") -> None:
     entry = hlo[hlo.index("\nENTRY"):].splitlines()
     entry = entry[:next(i for i, line in enumerate(entry) if line.startswith("}")) + 1]
     starts, dones, gemms = [], [], []
+    slice_starts, slice_dones, slice_gemms = {}, {}, {}  # slice -> schedule positions
     for i, line in enumerate(entry):
         name = re.search(r'op_name="([^"]*)"', line)
         opcode = re.search(r"=\s*\S+\s+([\w-]+)\(", line)
         if not name or not opcode:
             continue
+        piece = re.search(r"/slice(\d+)/", name.group(1))
         if "guest_weights" in name.group(1) and opcode.group(1).endswith("-start"):
             starts.append((i, opcode.group(1)))
+            if piece:
+                slice_starts.setdefault(int(piece.group(1)), []).append(i)
         elif "guest_weights" in name.group(1) and opcode.group(1).endswith("-done"):
             dones.append((i, opcode.group(1)))
+            if piece:
+                slice_dones.setdefault(int(piece.group(1)), []).append(i)
         elif "home_ffn" in name.group(1) and name.group(1).endswith("dot_general"):  # a dot, fused or a library call
             gemms.append((i, opcode.group(1)))
+        elif "guest_ffn" in name.group(1) and name.group(1).endswith("dot_general") and piece:
+            slice_gemms.setdefault(int(piece.group(1)), []).append(i)
     hidden = bool(starts and dones and gemms and min(i for i, _ in starts) < min(i for i, _ in gemms)
                   and max(i for i, _ in gemms) < max(i for i, _ in dones))
+    # Slice c's guest GEMMs overlap slice c + 1's transfer when one of them lies between that
+    # transfer's first start and last done.
+    overlapped = {c: any(min(slice_starts[c + 1]) < i < max(slice_dones[c + 1]) for i in slice_gemms.get(c, []))
+                  for c in sorted(slice_gemms) if c + 1 in slice_starts and c + 1 in slice_dones}
     out["guest_overlap"] = {"backend": backend, "async_starts": starts, "async_dones": dones,
-                            "home_gemms": gemms, "home_gemms_inside_transfer": hidden}
+                            "home_gemms": gemms, "home_gemms_inside_transfer": hidden,
+                            "slice_gemms": slice_gemms, "slice_gemms_inside_next_transfer": overlapped}
     print(f"guest-weight transfer around the home GEMMs: {len(starts)} async starts, {len(dones)} dones, "
-          f"{len(gemms)} home GEMMs; all home GEMMs inside the transfer: {hidden}", flush=True)
+          f"{len(gemms)} home GEMMs; all home GEMMs inside the transfer: {hidden}; guest slice GEMMs inside the "
+          f"next slice's transfer: {overlapped}", flush=True)
 
 
 def main(argv=None) -> dict:

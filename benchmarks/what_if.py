@@ -45,7 +45,7 @@ import numpy as np
 from benchmarks import cluster
 from jtopoep import xla_cpu
 from jtopoep.costmodel import (EXCHANGES_PER_LAYER, ExpertDims, exchange_seconds_per_rank,
-                               exposed_weight_seconds, guest_copy_seconds, home_forward_seconds,
+                               exposed_weight_seconds, guest_copy_seconds, slot_forward_seconds,
                                ideal_layer_time, layer_time, link_class, shipped_guest_slots)
 from jtopoep.plan import home_plan
 from jtopoep.planners import get_planner
@@ -58,6 +58,12 @@ PLANNERS = ("topoep", "taot")
 
 def _with_weights(times: dict, weights_s: float) -> dict:
     return {**times, "weights_s": weights_s, "total_s": times["total_s"] - times["weights_s"] + weights_s}
+
+
+def _exposed(plan, topology, dims, placement, weights_out, grads_back) -> float:
+    """costmodel.exposed_weight_seconds for per-rank transfer seconds other than the cost model's."""
+    home_fwd, guest_fwd = slot_forward_seconds(plan, topology, dims, placement)
+    return exposed_weight_seconds(weights_out, grads_back, home_fwd, guest_fwd, dims.weight_chunks)
 
 
 def relayed_arrival_seconds(plan, topology: Topology, dims, placement, held=None) -> np.ndarray:
@@ -103,10 +109,9 @@ def relayed_weights(plan, topology, dims, placement, planning_s=0.0, held=None) 
     """Weights and gradients relayed over the rails; exposed where a guest host's last copy arrives
     after its home-slot GEMMs (relays and home ranks wait for nothing)."""
     times = layer_time(plan, topology, dims, placement, planning_s, held)
-    home_fwd = home_forward_seconds(plan, topology, dims, placement)
     out = relayed_arrival_seconds(plan, topology, dims, placement, held)
     back = relayed_arrival_seconds(plan, topology, dims, placement)
-    return _with_weights(times, exposed_weight_seconds(out, back, home_fwd))
+    return _with_weights(times, _exposed(plan, topology, dims, placement, out, back))
 
 
 def weights_behind_dispatch(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
@@ -115,9 +120,8 @@ def weights_behind_dispatch(plan, topology, dims, placement, planning_s=0.0, hel
     times = layer_time(plan, topology, dims, placement, planning_s, held)
     per_rank = exchange_seconds_per_rank(plan, topology, dims)
     idle_tail = per_rank.max() - per_rank
-    home_fwd = home_forward_seconds(plan, topology, dims, placement)
     out, back = guest_copy_seconds(plan, topology, dims, placement, held)
-    return _with_weights(times, exposed_weight_seconds(out - idle_tail, back - idle_tail, home_fwd))
+    return _with_weights(times, _exposed(plan, topology, dims, placement, out - idle_tail, back - idle_tail))
 
 
 def copies_at_nvlink_speed(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
@@ -131,8 +135,7 @@ def gradients_behind_backward(plan, topology, dims, placement, planning_s=0.0, h
     """Gradients going home are hidden; the weights going out are exposed as modelled."""
     times = layer_time(plan, topology, dims, placement, planning_s, held)
     out, _ = guest_copy_seconds(plan, topology, dims, placement, held)
-    home_fwd = home_forward_seconds(plan, topology, dims, placement)
-    return _with_weights(times, exposed_weight_seconds(out, np.zeros_like(out), home_fwd))
+    return _with_weights(times, _exposed(plan, topology, dims, placement, out, np.zeros_like(out)))
 
 
 def transfers_and_planning_free(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
@@ -147,8 +150,7 @@ def kept_gradients_deferred(plan, topology, dims, placement, planning_s=0.0, hel
     if held is None:
         return times
     shipped, _ = guest_copy_seconds(plan, topology, dims, placement, held)
-    home_fwd = home_forward_seconds(plan, topology, dims, placement)
-    return _with_weights(times, exposed_weight_seconds(shipped, shipped, home_fwd))
+    return _with_weights(times, _exposed(plan, topology, dims, placement, shipped, shipped))
 
 
 FETCHED = {"as modelled": layer_time, "weights relayed over the rails": relayed_weights,

@@ -148,6 +148,11 @@ class MoEConfig:
     # that balances as well. Costs memory: every MoE layer's K guest copies stay live between
     # micro-batches.
     keep_copies: bool = True
+    # Guest weights travel in this many slices of the expert hidden width, and the guest GEMM runs
+    # slice by slice, so each slice's GEMM overlaps the next slice's transfer (jtopoep.guests); a
+    # divisor of model.expert_hidden. 2 takes most of what the cost model gives more slices (the
+    # cluster projection's guest-weight term); more means narrower GEMMs and more collectives.
+    guest_weight_chunks: int = 2
     sinkhorn_epsilon: float = 1.0  # taot only: entropic regularisation, in link-cost units
     sinkhorn_iters: int = 10  # taot only: fixed Sinkhorn iteration count
     taot_locality_weight: float = 2.0  # taot only: score weight of pairs a copy keeps off the slow link
@@ -165,7 +170,7 @@ class MoEConfig:
         _choice("moe", self, "score_fn", SCORE_FNS)
         _non_negative("moe", self, "guest_slots", "min_gain", "aux_loss_coef", "z_loss_coef",
                       "bias_update_rate", "taot_locality_weight", "taot_weight_cost")
-        _positive("moe", self, "sinkhorn_epsilon", "sinkhorn_iters")
+        _positive("moe", self, "sinkhorn_epsilon", "sinkhorn_iters", "guest_weight_chunks")
         _require(self.recv_capacity_factor == 0 or self.recv_capacity_factor >= 1, "moe.recv_capacity_factor",
                  self.recv_capacity_factor, "0 (room for every pair) or a value >= 1 (a rank's own pairs)")
         _require(not (self.planner == "none" and self.guest_slots), "moe.guest_slots", self.guest_slots,
@@ -220,6 +225,8 @@ class RunConfig:
 
     def __post_init__(self):
         ranks = self.topology.num_nodes * self.topology.gpus_per_node
+        _require(self.model.expert_hidden % self.moe.guest_weight_chunks == 0, "moe.guest_weight_chunks",
+                 self.moe.guest_weight_chunks, f"a divisor of model.expert_hidden = {self.model.expert_hidden}")
         _require(self.model.num_experts % ranks == 0, "model.num_experts", self.model.num_experts,
                  f"a multiple of num_nodes * gpus_per_node = {ranks} expert-parallel ranks")
         devices, micro = self.topology.num_devices, self.train.microbatches

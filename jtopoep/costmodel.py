@@ -12,6 +12,10 @@ Constants and their sources:
   elements home after its backward GEMM (gradients kept in the weight dtype, as Megatron-Core does
   for bf16 expert-parallel gradient reduction). A copy kept from the step's previous micro-batch
   (`held`) receives nothing; its gradients still go home.
+- Guest weights travel in dims.weight_chunks slices of the hidden width F, one after another, and
+  each slice's GEMM starts as soon as it has landed (jtopoep.guests); in the backward pass each
+  slice's gradients leave as soon as its backward is done. Transfers hide behind the home-slot GEMMs
+  and behind the guest GEMMs of the slices already there (exposed_weight_seconds).
 - Links: the scale-up and scale-out fabrics are separate hardware and DeepEP drives them concurrently,
   so a rank's exchange time is the slower of its NVLink and RDMA transfers, sending and receiving in
   full duplex; each exchange pays the latency of the slowest link class it uses.
@@ -35,6 +39,13 @@ class ExpertDims:
     d_model: int  # D
     expert_hidden: int  # F
     bytes_per_element: int = 2  # bf16
+    # Guest weights move in this many slices of F, each computed as it lands (MoEConfig.guest_weight_chunks).
+    weight_chunks: int = 1
+
+    def __post_init__(self):
+        if self.weight_chunks < 1 or self.expert_hidden % self.weight_chunks:
+            raise ValueError(f"weight_chunks = {self.weight_chunks} must be a positive divisor of expert_hidden = "
+                             f"{self.expert_hidden}")
 
     @classmethod
     def from_model(cls, model) -> "ExpertDims":
@@ -140,18 +151,36 @@ def guest_copy_seconds(plan: Plan, topology: Topology, dims: ExpertDims, placeme
     return copy_seconds_per_rank(guest_transfers(plan, placement, held), topology, dims), every_copy
 
 
+def slot_forward_seconds(plan: Plan, topology: Topology, dims: ExpertDims, placement) -> tuple[np.ndarray, np.ndarray]:
+    """([R] seconds of each rank's home-slot forward GEMMs, [R] of its guest-slot forward GEMMs)."""
+    home = np.asarray(placement).shape[1]
+    per_rank_slot = np.asarray(plan.route).astype(np.float64).sum(axis=0)  # [d, S]
+    per_pair = dims.pair_flops / 3.0 / (topology.flops * topology.mfu)
+    return per_rank_slot[:, :home].sum(1) * per_pair, per_rank_slot[:, home:].sum(1) * per_pair
+
+
 def home_forward_seconds(plan: Plan, topology: Topology, dims: ExpertDims, placement) -> np.ndarray:
     """[R] seconds of each rank's home-slot forward GEMMs, behind which guest-weight transfers hide."""
-    home = np.asarray(placement).shape[1]
-    route = np.asarray(plan.route).astype(np.float64)
-    return route[:, :, :home].sum(axis=(0, 2)) * (dims.pair_flops / 3.0 / (topology.flops * topology.mfu))
+    return slot_forward_seconds(plan, topology, dims, placement)[0]
 
 
-def exposed_weight_seconds(weights_out: np.ndarray, grads_back: np.ndarray, home_fwd: np.ndarray) -> float:
-    """The guest-weight term from per-rank transfer seconds: weights out overlapped with the home
-    forward GEMMs, gradients back behind the home backward (twice the forward); the most exposed
-    rank of each direction counts."""
-    return float(np.maximum(weights_out - home_fwd, 0.0).max() + np.maximum(grads_back - 2.0 * home_fwd, 0.0).max())
+def exposed_weight_seconds(weights_out: np.ndarray, grads_back: np.ndarray, home_fwd: np.ndarray,
+                           guest_fwd: np.ndarray, chunks: int = 1) -> float:
+    """The guest-weight term from per-rank seconds: weight transfers out, gradient transfers back,
+    home-slot and guest-slot forward GEMMs; the most exposed rank of each direction counts.
+
+    Forward: the home GEMMs run first; the weights land in n = `chunks` equal slices one after
+    another, and the guest GEMM of slice j starts once it has landed and slice j - 1's is done. The
+    last one ends late by the most any slice's arrival is late for it: max over j of
+    ((j + 1) out - j g) / n - home, g the guest GEMMs. Backward: the guest slices' backward runs first
+    (twice the forward), and a slice's gradients leave when it is done, after the slices before it on
+    the link; the last arrives late by max over j of ((n - j) back - (n - 1 - j) 2 g) / n - 2 home.
+    With one chunk these are the whole copy behind the home GEMMs, out - home, and the gradients
+    behind the home backward, back - 2 home."""
+    j = np.arange(chunks, dtype=np.float64)[:, None]
+    forward = (((j + 1) * weights_out - j * guest_fwd) / chunks).max(0) - home_fwd
+    backward = (((chunks - j) * grads_back - (chunks - 1 - j) * 2.0 * guest_fwd) / chunks).max(0) - 2.0 * home_fwd
+    return float(np.maximum(forward, 0.0).max() + np.maximum(backward, 0.0).max())
 
 
 def layer_time(plan: Plan, topology: Topology, dims: ExpertDims, placement,
@@ -173,7 +202,8 @@ def layer_time(plan: Plan, topology: Topology, dims: ExpertDims, placement,
     exchange = EXCHANGES_PER_LAYER * (float(exchange_seconds_per_rank(plan, topology, dims).max()) + latency)
 
     weights_out, grads_back = guest_copy_seconds(plan, topology, dims, placement, held)
-    weights = exposed_weight_seconds(weights_out, grads_back, home_forward_seconds(plan, topology, dims, placement))
+    home_fwd, guest_fwd = slot_forward_seconds(plan, topology, dims, placement)
+    weights = exposed_weight_seconds(weights_out, grads_back, home_fwd, guest_fwd, dims.weight_chunks)
 
     total = gemm + exchange + weights + planning_s
     return {"gemm_s": gemm, "exchange_s": exchange, "weights_s": weights, "planning_s": planning_s,

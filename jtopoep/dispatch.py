@@ -9,10 +9,12 @@
     permute : pairs sorted by destination slot; send sizes plan.route[me].sum(1)
     exchange: to the destination ranks (transport.exchange), regrouped there by slot
     guests  : each guest slot's weights from its expert's home rank (same transport), or kept
-              from the previous micro-batch of the step (jtopoep.guests)
+              from the previous micro-batch of the step (jtopoep.guests), in `weight_chunks`
+              slices of the hidden width, each its own transfer
     experts : SwiGLU over the S = H + K slots with jax.lax.ragged_dot, group sizes plan.route[:, me].sum(0):
-              one grouped GEMM for the home slots and one for the guest slots, so that the home GEMM
-              does not depend on the guest weights and XLA may overlap it with their transfer
+              one grouped GEMM for the home slots and one per slice for the guest slots, so that the
+              home GEMM does not depend on the guest weights and each slice's GEMM only on its own,
+              and XLA may overlap the transfers with them
     return  : the reverse exchange, unpermute, and the gate-weighted sum over the k choices
 
 Receive buffer: a rank receives at most R*T*k rows (every source sending it every pair), and the
@@ -39,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jtopoep.guests import ExpertWeights, GuestCopies, fetch_guest_weights
+from jtopoep.guests import ExpertWeights, GuestCopies, fetch_guest_weights, join_hidden
 from jtopoep.plan import Plan, home_plan
 from jtopoep.planners.common import PlannerBase
 from jtopoep.planners.none import NonePlanner
@@ -117,16 +119,20 @@ def _swiglu_slots(x, weights: ExpertWeights, group_sizes):
     return jax.lax.ragged_dot(jax.nn.silu(gate) * up, weights.down, group_sizes)
 
 
-def expert_ffn(x: Float[Array, "rows D"], home_weights: ExpertWeights, guest_weights: ExpertWeights | None,
-               group_sizes: Int[Array, " S"]) -> Float[Array, "rows D"]:
+def expert_ffn(x: Float[Array, "rows D"], home_weights: ExpertWeights,
+               guest_slices: tuple[ExpertWeights, ...] | None, group_sizes: Int[Array, " S"]) -> Float[Array, "rows D"]:
     """SwiGLU of each row with its slot's expert; rows in slot order, group_sizes[j] rows for slot j
     (the H home slots, then the K guest slots); rows past the groups come out as zeros.
+    guest_slices: the guest slots' weights as slices of the hidden width (guests.hidden_slice), or
+    None without guest slots.
 
-    Home and guest slots are two grouped GEMMs, not one over concatenated weights: the home GEMM then
-    does not wait for the guest weights, so XLA can run the guest-weight transfer during it (the
+    Home and guest slots are separate grouped GEMMs, not one over concatenated weights: the home GEMM
+    then does not wait for the guest weights, so XLA can run the guest-weight transfer during it (the
     overlap the cost model prices), and in the backward pass the guest gradients can leave before the
-    home weight gradients are done. The guest rows are rotated to the front of the buffer and back
-    (a permutation, so its transpose adds nothing twice)."""
+    home weight gradients are done. Likewise each guest slice is its own grouped GEMM, and their
+    outputs add up (SwiGLU sums over hidden units): slice c waits only for its own transfer. The guest
+    rows are rotated to the front of the buffer and back (a permutation, so its transpose adds nothing
+    twice)."""
     rows = x.shape[0]
     home = home_weights.gate.shape[0]
     row = jnp.arange(rows)[:, None]
@@ -134,10 +140,15 @@ def expert_ffn(x: Float[Array, "rows D"], home_weights: ExpertWeights, guest_wei
     with jax.named_scope("home_ffn"):
         out = _swiglu_slots(x, home_weights, group_sizes[:home])
         out = jnp.where(row < home_rows, out, 0)
-    if guest_weights is None:
+    if guest_slices is None:
         return out
     with jax.named_scope("guest_ffn"):
-        guest = _swiglu_slots(jnp.roll(x, -home_rows, axis=0), guest_weights, group_sizes[home:])
+        rotated = jnp.roll(x, -home_rows, axis=0)
+        guest = None
+        for c, part in enumerate(guest_slices):
+            with jax.named_scope(f"slice{c}"):
+                y = _swiglu_slots(rotated, part, group_sizes[home:])
+            guest = y if guest is None else guest + y
         guest = jnp.roll(guest, home_rows, axis=0)
     return jnp.where((row >= home_rows) & (row < group_sizes.sum()), guest, out)
 
@@ -145,8 +156,8 @@ def expert_ffn(x: Float[Array, "rows D"], home_weights: ExpertWeights, guest_wei
 def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: Float[Array, "T k"],
                  weights: ExpertWeights, placement: Int[Array, "R H"], planner: PlannerBase, *,
                  backend: str = "auto", hierarchical: bool = False, recv_rows: int | None = None,
-                 axes: tuple[str, str] = ("node", "gpu"),
-                 previous: GuestCopies | None = None) -> tuple[Float[Array, "T D"], DispatchStats]:
+                 axes: tuple[str, str] = ("node", "gpu"), previous: GuestCopies | None = None,
+                 weight_chunks: int = 1) -> tuple[Float[Array, "T D"], DispatchStats]:
     """The layer's expert computation for this rank's T tokens; call inside shard_map over `axes`.
 
     recv_rows: rows of each rank's receive buffer, which the grouped GEMM runs over; default (and at
@@ -154,7 +165,9 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
     previous: the guest copies this layer held after the previous micro-batch of the same optimizer
     step (its DispatchStats.guests). The planner is told which experts each rank holds (topoep keeps
     a copy where that balances as well), and guest slots that hold one again are not fetched
-    (jtopoep.guests). Only valid while the weights are unchanged: start each step without it."""
+    (jtopoep.guests). Only valid while the weights are unchanged: start each step without it.
+    weight_chunks: the guest weights travel, and their GEMMs run, in this many slices of the hidden
+    width (jtopoep.guests), a divisor of it; the result is the same SwiGLU, summed by slice."""
     topology = planner.topology
     gpus = topology.gpus_per_node
     num_tokens, top_k = expert_ids.shape
@@ -197,8 +210,9 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
     if num_slots > home:
         with jax.named_scope("guest_weights"):
             guest = fetch_guest_weights(weights, plan.slot_expert[:, home:], placement, me, previous=previous,
+                                        chunks=weight_chunks,
                                         **{k: move[k] for k in ("gpus_per_node", "backend", "hierarchical")})
-        copies = GuestCopies(plan.slot_expert[:, home:], guest)
+        copies = GuestCopies(plan.slot_expert[:, home:], guest[0] if len(guest) == 1 else join_hidden(guest))
     out = expert_ffn(by_slot, weights, guest, group_sizes)
 
     with jax.named_scope("combine"):

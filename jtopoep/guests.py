@@ -17,6 +17,13 @@ The backward pass is unchanged: every guest slot's gradient goes home in its own
 every copy had been fetched (a custom VJP, because autodiff would otherwise stop at the kept copy,
 which is carried state, not a function of the parameters). So keeping copies saves the forward
 weight transfers; for the same plan, losses and gradients are bitwise those of fetching every copy.
+
+Streaming in slices. With chunks = n the weights travel as n slices of the hidden width F (slice c:
+gate and up columns, down rows [c F/n, (c+1) F/n)), each its own exchange, and the caller runs the
+guest GEMM slice by slice (jtopoep.dispatch.expert_ffn sums the slices' outputs, which is the SwiGLU
+exactly: F is a sum over hidden units). Slice c's GEMM depends only on slice c's transfer, so XLA can
+run the next slice's transfer during it; in the backward pass each slice's gradients leave as soon
+as its backward is done (the overlap costmodel.exposed_weight_seconds prices).
 """
 
 from __future__ import annotations
@@ -115,14 +122,40 @@ def _fetch_keeping_bwd(move, residuals, cotangent):
 _fetch_keeping.defvjp(_fetch_keeping_fwd, _fetch_keeping_bwd)
 
 
+def hidden_slice(weights: ExpertWeights, chunk: int, chunks: int) -> ExpertWeights:
+    """Slice `chunk` of `chunks` of the hidden width F: gate and up columns, down rows."""
+    width = weights.gate.shape[-1] // chunks
+    cut = slice(chunk * width, (chunk + 1) * width)
+    return ExpertWeights(weights.gate[..., cut], weights.up[..., cut], weights.down[..., cut, :])
+
+
+def join_hidden(slices) -> ExpertWeights:
+    """The weights whose hidden_slice(., c, len(slices)) is slices[c]."""
+    return ExpertWeights(jnp.concatenate([s.gate for s in slices], axis=-1),
+                         jnp.concatenate([s.up for s in slices], axis=-1),
+                         jnp.concatenate([s.down for s in slices], axis=-2))
+
+
 def fetch_guest_weights(weights: ExpertWeights, guests: Int[Array, "R K"], placement: Int[Array, "R H"], me, *,
                         gpus_per_node: int, backend: str, hierarchical: bool,
-                        previous: GuestCopies | None = None) -> ExpertWeights:
-    """[K, ...] weights of this rank's guest slots (`guests`: every rank's guest experts, -1 empty;
-    empty slots get zeros). previous: the copies this layer held after the previous micro-batch of
-    the same optimizer step; slots that hold one of them again take it without a transfer. Its
-    weights must be the copies of the current `weights` (the caller empties it at each step)."""
+                        previous: GuestCopies | None = None, chunks: int = 1) -> tuple[ExpertWeights, ...]:
+    """This rank's guest-slot weights, [K, ...] each, as `chunks` slices of the hidden width
+    (hidden_slice), each fetched by its own exchange (`guests`: every rank's guest experts, -1
+    empty; empty slots get zeros). previous: the copies this layer held after the previous
+    micro-batch of the same optimizer step; slots that hold one of them again take it without a
+    transfer. Its weights must be the copies of the current `weights` (the caller empties it at each
+    step)."""
+    hidden = weights.gate.shape[-1]
+    if chunks < 1 or hidden % chunks:
+        raise ValueError(f"chunks = {chunks} must be a positive divisor of the expert hidden width {hidden}")
     move = (gpus_per_node, backend, hierarchical)
-    if previous is None:
-        return _fetch(weights, guests, placement, me, guests < 0, move)
-    return _fetch_keeping(move, weights, previous.weights, guests, previous.experts, placement, me)
+    out = []
+    for c in range(chunks):
+        with jax.named_scope(f"slice{c}"):
+            part = hidden_slice(weights, c, chunks)
+            if previous is None:
+                out.append(_fetch(part, guests, placement, me, guests < 0, move))
+            else:
+                out.append(_fetch_keeping(move, part, hidden_slice(previous.weights, c, chunks), guests,
+                                          previous.experts, placement, me))
+    return tuple(out)

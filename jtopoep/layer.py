@@ -54,12 +54,15 @@ class MoELayer(nnx.Module):
         cost model prices transfers with."""
         if num_experts % topology.num_ranks:
             raise ValueError(f"num_experts = {num_experts} must be a multiple of the {topology.num_ranks} ranks")
+        if expert_hidden % moe.guest_weight_chunks:
+            raise ValueError(f"moe.guest_weight_chunks = {moe.guest_weight_chunks} must be a divisor of expert_hidden "
+                             f"= {expert_hidden}")
         self.moe = moe
         self.dtype = jnp.dtype(dtype)
         self.top_k = top_k
         self.topology = topology
         self.mesh = mesh
-        dims = ExpertDims(d_model, expert_hidden, jnp.dtype(dtype).itemsize)
+        dims = ExpertDims(d_model, expert_hidden, jnp.dtype(dtype).itemsize, moe.guest_weight_chunks)
         self.planner = make_planner(moe, topology, num_experts, dims)
         init = nnx.initializers.normal(stddev=d_model ** -0.5)
         self.router = nnx.Param(init(rngs.params(), (d_model, num_experts)))
@@ -117,7 +120,8 @@ class MoELayer(nnx.Module):
             y, stats = moe_dispatch(tokens, routed.expert_ids, routed.gates.astype(x.dtype),
                                     ExpertWeights(w_gate, w_up, w_down), placement, self.planner,
                                     backend=moe.transport, hierarchical=moe.hierarchical,
-                                    recv_rows=self.recv_rows(tokens.shape[0]), previous=previous)
+                                    recv_rows=self.recv_rows(tokens.shape[0]), previous=previous,
+                                    weight_chunks=moe.guest_weight_chunks)
             scalars = {
                 "aux_loss": jax.lax.pmean(routed.aux_loss, batch_axes),
                 "z_loss": jax.lax.pmean(routed.z_loss, batch_axes),

@@ -148,7 +148,8 @@ def test_best_routing_keeps_the_plans_copies_and_quotas_and_is_never_slower():
 
 def test_gpu_check_finds_the_home_gemms_in_the_schedule(devices):
     """The GPU check reads the compiled layer's schedule; on CPU (dense transport, synchronous
-    collectives) it must still find the home-slot GEMMs (gate, up, down) and report no overlap."""
+    collectives) it must still find the home-slot GEMMs (gate, up, down) and each guest slice's, and
+    report no overlap."""
     from benchmarks import gpu_check
 
     out = {}
@@ -156,6 +157,9 @@ def test_gpu_check_finds_the_home_gemms_in_the_schedule(devices):
     found = out["guest_overlap"]
     assert len(found["home_gemms"]) == 3 and not found["async_starts"]
     assert found["home_gemms_inside_transfer"] is False
+    # The guest weights come in the default two slices, each with its own three GEMMs.
+    assert {c: len(v) for c, v in found["slice_gemms"].items()} == {0: 3, 1: 3}
+    assert found["slice_gemms_inside_next_transfer"] == {}
 
 
 def test_gpu_check_of_kept_copies_runs(devices):

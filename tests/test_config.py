@@ -45,6 +45,8 @@ def test_presets_and_overrides(tmp_path):
     ("moe.guest_slots=two", r"moe\.guest_slots = 'two' has type str: expected int"),
     ("moe.guest_slots=-1", r"moe\.guest_slots = -1 is not allowed: expected a value >= 0"),
     ("moe.hierarchical=3", r"moe\.hierarchical = 3 has type int: expected bool"),
+    ("moe.guest_weight_chunks=0", r"moe\.guest_weight_chunks = 0 is not allowed: expected a value > 0"),
+    ("moe.guest_weight_chunks=5", r"moe\.guest_weight_chunks = 5 is not allowed: expected a divisor of model\.expert_hidden = 64"),
     ("moe.recv_capacity_factor=0.5", r"moe\.recv_capacity_factor = 0\.5 is not allowed: expected 0 \(room for"),
     ("model.top_k=17", r"model\.top_k = 17 is not allowed: expected at most model\.num_experts = 16"),
     ("model.num_experts=12", r"model\.num_experts = 12 is not allowed: expected a multiple of .* = 8"),

@@ -10,6 +10,7 @@ from jax.extend.core import Var
 from jax.sharding import PartitionSpec as P
 
 from jtopoep.dispatch import ExpertWeights, assign_slots, expert_ffn, moe_dispatch
+from jtopoep.guests import hidden_slice
 from jtopoep.plan import check_plan, contiguous_placement
 from jtopoep.planners import get_planner
 from jtopoep.topology import Topology, make_mesh
@@ -160,7 +161,7 @@ def test_bfloat16_layer_moves_bfloat16_and_routes_like_float32(devices):
 
     topo = Topology.preset("cpu-2x4")
     mesh = make_mesh(topo)
-    moe = MoEConfig(planner="topoep", guest_slots=2, price_transfers=False, transport="dense")
+    moe = MoEConfig(planner="topoep", guest_slots=2, price_transfers=False, transport="dense", guest_weight_chunks=1)
     layer_ = MoELayer(D * 2, E, K_TOP, F, moe, topo, mesh, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.normal(size=(R, T, D * 2)), jnp.bfloat16)
@@ -239,9 +240,9 @@ def split(w):
     return (ExpertWeights(*(a[:FFN_HOME] for a in w)), ExpertWeights(*(a[FFN_HOME:] for a in w)))
 
 
-def ffn_loss(x, w):
+def ffn_loss(x, w, chunks=1):
     home, guest = split(w)
-    y = expert_ffn(x, home, guest, jnp.asarray(FFN_SIZES))
+    y = expert_ffn(x, home, tuple(hidden_slice(guest, c, chunks) for c in range(chunks)), jnp.asarray(FFN_SIZES))
     return (jnp.sin(y) * y).sum(), y
 
 
@@ -252,9 +253,10 @@ def ffn_reference_loss(x, w):
     return (jnp.sin(y) * y).sum(), y
 
 
-def test_expert_ffn_matches_per_row_reference_with_gradients():
+@pytest.mark.parametrize("chunks", [1, F])  # F = 7 slices: the guest GEMM one hidden unit at a time
+def test_expert_ffn_matches_per_row_reference_with_gradients(chunks):
     x, w = ffn_inputs()
-    (got, y), grads = jax.value_and_grad(ffn_loss, argnums=(0, 1), has_aux=True)(x, w)
+    (got, y), grads = jax.value_and_grad(functools.partial(ffn_loss, chunks=chunks), argnums=(0, 1), has_aux=True)(x, w)
     (want, y_ref), ref_grads = jax.value_and_grad(ffn_reference_loss, argnums=(0, 1), has_aux=True)(x, w)
     np.testing.assert_allclose(y, y_ref, atol=ATOL)
     assert not np.asarray(y)[FFN_SIZES.sum():].any()  # rows past the groups are exactly zero
@@ -273,17 +275,21 @@ def _depends_on(jaxpr, sources):
     return tainted
 
 
-def test_home_gemms_do_not_wait_for_guest_weights():
+def test_home_gemms_do_not_wait_for_guest_weights_nor_a_slice_for_the_next():
+    """The home GEMMs depend on no guest weights, and each guest slice's GEMMs only on its own slice."""
     x, w = ffn_inputs()
     home, guest = split(w)
+    # Two slices (of the seven one-unit slices of F = 7: only what depends on what is looked at).
+    slices = (hidden_slice(guest, 0, F), hidden_slice(guest, 1, F))
 
-    def fn(x, home, guest):
-        return expert_ffn(x, home, guest, jnp.asarray(FFN_SIZES))
+    def fn(x, home, first, second):
+        return expert_ffn(x, home, (first, second), jnp.asarray(FFN_SIZES))
 
-    closed = jax.make_jaxpr(fn)(x, home, guest)
-    jaxpr = closed.jaxpr
-    guest_vars = jaxpr.invars[1 + len(home):]
-    tainted = _depends_on(jaxpr, guest_vars)
+    jaxpr = jax.make_jaxpr(fn)(x, home, *slices).jaxpr
+    per = len(home)
+    first = _depends_on(jaxpr, jaxpr.invars[1 + per:1 + 2 * per])
+    second = _depends_on(jaxpr, jaxpr.invars[1 + 2 * per:])
     gemms = [e for e in jaxpr.eqns if e.primitive.name == "ragged_dot_general"]
-    on_guests = [any(isinstance(v, Var) and v in tainted for v in e.invars) for e in gemms]
-    assert len(gemms) == 6 and on_guests == [False] * 3 + [True] * 3, on_guests
+    uses = [(any(isinstance(v, Var) and v in first for v in e.invars),
+             any(isinstance(v, Var) and v in second for v in e.invars)) for e in gemms]
+    assert uses == [(False, False)] * 3 + [(True, False)] * 3 + [(False, True)] * 3, uses

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jtopoep.guests import ExpertWeights, GuestCopies, fetch_guest_weights, kept_slots
+import pytest
+
+from jtopoep.guests import ExpertWeights, GuestCopies, fetch_guest_weights, join_hidden, kept_slots
 from jtopoep.plan import contiguous_placement
 from jtopoep.topology import Topology, make_mesh
 
@@ -28,15 +30,18 @@ def weights(seed=0):
 
 
 @functools.lru_cache(maxsize=None)
-def fetcher(keep: bool):
-    """jit(value_and_grad) of sum(cotangent * guest weights) on the 2x4 mesh, and the weights."""
+def fetcher(keep: bool, chunks: int = 1):
+    """jit(value_and_grad) of sum(cotangent * guest weights) on the 2x4 mesh, and the weights (the
+    slices of the hidden width joined back)."""
     topo = Topology.preset("cpu-2x4")
 
     def body(guests, held, w, held_w, cot):
         me = jax.lax.axis_index("node") * topo.gpus_per_node + jax.lax.axis_index("gpu")
         previous = GuestCopies(held, ExpertWeights(*held_w)) if keep else None
         got = fetch_guest_weights(ExpertWeights(*w), guests, jnp.asarray(PLACEMENT), me, gpus_per_node=topo.gpus_per_node,
-                                  backend="dense", hierarchical=False, previous=previous)
+                                  backend="dense", hierarchical=False, previous=previous, chunks=chunks)
+        assert len(got) == chunks and got[0].gate.shape[-1] == F // chunks
+        got = join_hidden(got)
         loss = sum((g * c).sum() for g, c in zip(got, cot))
         return jax.lax.psum(loss, ("node", "gpu")), got
 
@@ -58,11 +63,12 @@ def test_kept_slots_are_the_experts_the_rank_still_holds():
     assert kept.sum() == 12 and not kept[0, 2]  # an empty slot is never kept, even where -1 is held
 
 
-def test_fetch_puts_each_experts_weights_in_its_slot_and_sends_gradients_home():
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_fetch_puts_each_experts_weights_in_its_slot_and_sends_gradients_home(chunks):
     w = weights()
     cot = weights(1)
     cot = ExpertWeights(*(np.resize(c, (R * K,) + c.shape[1:]) for c in cot))
-    (_, got), grads = fetcher(False)(w, GUESTS, HELD, held_copies(w, 0.0), cot)
+    (_, got), grads = fetcher(False, chunks)(w, GUESTS, HELD, held_copies(w, 0.0), cot)
     for x, g, c, dw in zip(w, got, cot, grads):
         rows = GUESTS.reshape(-1)
         np.testing.assert_array_equal(np.asarray(g), np.where((rows >= 0)[:, None, None], x[np.maximum(rows, 0)], 0))
@@ -72,18 +78,19 @@ def test_fetch_puts_each_experts_weights_in_its_slot_and_sends_gradients_home():
         np.testing.assert_allclose(np.asarray(dw), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_kept_copies_are_taken_locally_with_the_same_values_and_gradients():
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_kept_copies_are_taken_locally_with_the_same_values_and_gradients(chunks):
     w = weights()
     cot = weights(1)
     cot = ExpertWeights(*(np.resize(c, (R * K,) + c.shape[1:]) for c in cot))
-    (loss, fetched), grads = fetcher(False)(w, GUESTS, HELD, held_copies(w, 0.0), cot)
-    (loss_kept, kept), grads_kept = fetcher(True)(w, GUESTS, HELD, held_copies(w, 0.0), cot)
+    (loss, fetched), grads = fetcher(False, chunks)(w, GUESTS, HELD, held_copies(w, 0.0), cot)
+    (loss_kept, kept), grads_kept = fetcher(True, chunks)(w, GUESTS, HELD, held_copies(w, 0.0), cot)
     # Exact copies held: bitwise the fetch, and the same gradient (every slot's goes home).
     assert loss_kept == loss
     for a, b in zip(fetched + grads, kept + grads_kept):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Marked copies show which slots were taken from what the rank held: exactly the kept ones.
-    (_, marked), grads_marked = fetcher(True)(w, GUESTS, HELD, held_copies(w, 1000.0), cot)
+    (_, marked), grads_marked = fetcher(True, chunks)(w, GUESTS, HELD, held_copies(w, 1000.0), cot)
     is_kept = np.asarray(kept_slots(jnp.asarray(GUESTS), jnp.asarray(HELD))).reshape(-1)
     rows = np.maximum(GUESTS.reshape(-1), 0)
     for x, a, b in zip(w, fetched, marked):
@@ -91,3 +98,10 @@ def test_kept_copies_are_taken_locally_with_the_same_values_and_gradients():
         np.testing.assert_array_equal(np.asarray(b), np.where(is_kept[:, None, None], marked_copy, np.asarray(a)))
     for a, b in zip(grads, grads_marked):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_slices_must_divide_the_hidden_width():
+    w = ExpertWeights(*map(jnp.asarray, weights()))
+    with pytest.raises(ValueError, match=r"chunks = 3 must be a positive divisor of the expert hidden width 4"):
+        fetch_guest_weights(w, jnp.asarray(GUESTS), jnp.asarray(PLACEMENT), 0, gpus_per_node=4, backend="dense",
+                            hierarchical=False, chunks=3)

@@ -1,10 +1,12 @@
 """Metrics and cost model against hand computations."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtopoep.costmodel import ExpertDims, copy_break_even_pairs, layer_time
+from jtopoep.costmodel import ExpertDims, copy_break_even_pairs, exposed_weight_seconds, layer_time
 from jtopoep.metrics import counts_imbalance, imbalance, inter_node_pairs, summarize
 from jtopoep.plan import Plan, contiguous_placement, home_plan
 from jtopoep.topology import Topology
@@ -108,6 +110,43 @@ def test_cost_model_all_inter_node_and_exposed_weights():
     for other in ([[0], [-1], [-1], [-1]], [[-1], [-1], [-1], [1]]):
         t_other = layer_time(Plan(slot_expert, np.array(plan.route)), TOPO, DIMS, PLACEMENT, held=np.array(other))
         assert t_other["weights_s"] == pytest.approx(weight + weight)
+
+
+def test_weights_in_slices_hide_behind_the_slices_already_there():
+    """One rank: home GEMMs 1 s, guest GEMMs 2 s, 3 s of weights out and of gradients back.
+    Whole copy: 3 - 1 = 2 s exposed forward, 3 - 2 x 1 = 1 s backward. In two slices: home 0-1,
+    slice 0 lands at 1.5 and runs 1.5-2.5, slice 1 lands at 3 and runs 3-4, 1 s later than 3;
+    backward: guest slices 0-2 and 2-4, their gradients on the link 2-3.5 and 4-5.5, before the home
+    backward ends at 6: nothing exposed."""
+    one = [np.array([v]) for v in (3.0, 3.0, 1.0, 2.0)]
+    assert exposed_weight_seconds(*one, chunks=1) == pytest.approx(2.0 + 1.0)
+    assert exposed_weight_seconds(*one, chunks=2) == pytest.approx(1.0)
+    # A rank with no guest GEMM (a home rank sending) gains nothing from slices.
+    sender = [np.array([v]) for v in (3.0, 3.0, 1.0, 0.0)]
+    assert exposed_weight_seconds(*sender, chunks=4) == exposed_weight_seconds(*sender, chunks=1) == 2.0 + 1.0
+    # Finer slices never expose more (most exposed rank of each direction, over 16 ranks).
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        parts = [rng.uniform(0, 4, 16) for _ in range(4)]
+        times = [exposed_weight_seconds(*parts, chunks=n) for n in (1, 2, 4, 8)]
+        assert all(a >= b - 1e-12 for a, b in zip(times, times[1:])) and times[-1] >= 0
+
+
+def test_layer_time_prices_the_slices_of_its_dims():
+    """A guest copy on rank 1 that takes 30 of expert 0's pairs: in slices, its weights partly hide
+    behind its own guest GEMMs; nothing else changes."""
+    counts = np.zeros((4, 8), np.int32)
+    counts[0, 0], counts[1, 2] = 60, 1
+    plan = plan_of(counts, guest_slots=1)
+    slot_expert, route = np.array(plan.slot_expert), np.array(plan.route)
+    slot_expert[1, 2] = 0
+    route[0, 0, 0], route[0, 1, 2] = 30, 30
+    whole = layer_time(Plan(slot_expert, route), TOPO, DIMS, PLACEMENT)
+    sliced = layer_time(Plan(slot_expert, route), TOPO, dataclasses.replace(DIMS, weight_chunks=4), PLACEMENT)
+    assert 0 < sliced["weights_s"] < whole["weights_s"]
+    assert all(sliced[k] == whole[k] for k in ("gemm_s", "exchange_s", "planning_s"))
+    with pytest.raises(ValueError, match="weight_chunks = 3 must be a positive divisor of expert_hidden = 2000"):
+        dataclasses.replace(DIMS, weight_chunks=3)
 
 
 def test_ideal_layer_time_spreads_compute_and_traffic():
