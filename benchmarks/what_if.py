@@ -6,6 +6,8 @@ cluster.md says which term keeps topoep and taot short of 95% of `ideal`'s gain.
 whether a change that is plausible on a real cluster would close it, by re-pricing the same plans
 under variants of the cost model (the planners themselves are unchanged; only `timing` differs):
 
+- whole copies: the guest weights in one piece rather than the default slices of the hidden width
+  (moe.guest_weight_chunks), so a guest GEMM waits for its whole copy; and in 8 slices.
 - relayed weights: an inter-node copy travels as G stripes, home -> each GPU of its node (NVLink),
   -> the GPU with the same local index on the destination node (RDMA, all G rails at once) -> the
   guest host (NVLink), as NCCL's PXN and DeepEP route traffic; three exchanges one after another.
@@ -138,6 +140,17 @@ def gradients_behind_backward(plan, topology, dims, placement, planning_s=0.0, h
     return _with_weights(times, _exposed(plan, topology, dims, placement, out, np.zeros_like(out)))
 
 
+def whole_copies(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
+    """Guest weights in one piece (moe.guest_weight_chunks = 1): the guest GEMM waits for the whole
+    copy, and its gradients leave after the whole guest backward."""
+    return layer_time(plan, topology, dataclasses.replace(dims, weight_chunks=1), placement, planning_s, held)
+
+
+def in_eight_slices(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
+    """Guest weights in 8 slices of the hidden width (moe.guest_weight_chunks = 8)."""
+    return layer_time(plan, topology, dataclasses.replace(dims, weight_chunks=8), placement, planning_s, held)
+
+
 def transfers_and_planning_free(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
     """Only the plan's GEMM and token exchange count: what is left of the gap is the plan's balance."""
     times = layer_time(plan, topology, dims, placement, 0.0, held)
@@ -153,7 +166,8 @@ def kept_gradients_deferred(plan, topology, dims, placement, planning_s=0.0, hel
     return _with_weights(times, _exposed(plan, topology, dims, placement, shipped, shipped))
 
 
-FETCHED = {"as modelled": layer_time, "weights relayed over the rails": relayed_weights,
+FETCHED = {"as modelled": layer_time, "whole copies, not slices": whole_copies,
+           "weights in 8 slices": in_eight_slices, "weights relayed over the rails": relayed_weights,
            "weights also behind the dispatch": weights_behind_dispatch,
            "inter-node copies at NVLink speed": copies_at_nvlink_speed,
            "gradients behind the rest of the backward": gradients_behind_backward,

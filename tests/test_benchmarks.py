@@ -85,9 +85,10 @@ def test_relayed_weights_arrive_over_every_rail():
 
 def eplb_plan_on_zipf():
     """(topology, dims, counts, placement, eplb's plan) on a skewed load: h800-2x8, E = 32, K = 2,
-    eplb's slots with even quotas and topology-oblivious routing (many inter-node copies)."""
+    eplb's slots with even quotas and topology-oblivious routing (many inter-node copies); guest
+    weights in two slices."""
     topology = Topology.preset("h800-2x8")
-    dims = ExpertDims(d_model=2048, expert_hidden=1408)
+    dims = ExpertDims(d_model=2048, expert_hidden=1408, weight_chunks=2)
     counts = synthetic_families(16, 32, 512, steps=1)["zipf-1.0"][0]
     placement = np.arange(32).reshape(16, 2)
     slot_expert, _ = eplb_slots(counts, placement, 2, 0.0, np)
@@ -108,6 +109,10 @@ def test_what_if_variants_change_only_the_weights_term():
         assert np.isclose(times["total_s"], sum(times[k] for k in ("gemm_s", "exchange_s", "weights_s", "planning_s")))
     for variant in (what_if.copies_at_nvlink_speed, what_if.weights_behind_dispatch, what_if.gradients_behind_backward):
         assert variant(plan, topology, dims, placement)["weights_s"] <= base["weights_s"]
+    # Slices hide weights behind the guest GEMMs: whole copies expose more, eight slices less.
+    whole = what_if.whole_copies(plan, topology, dims, placement)["weights_s"]
+    eight = what_if.in_eight_slices(plan, topology, dims, placement)["weights_s"]
+    assert whole > base["weights_s"] > eight
 
 
 def test_locality_search_adds_copies_that_pay_and_keeps_plans_valid():

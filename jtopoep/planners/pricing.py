@@ -25,7 +25,10 @@ class TransferClock(NamedTuple):
 
     The cost model's rule: weights a rank sends (as home) or receives (as host) are free while they
     fit behind its home-slot forward GEMMs, and gradients going back behind its backward (twice the
-    forward); only the rest is exposed. Planners use it to price a copy before making it.
+    forward); only the rest is exposed. Planners use it to price a copy before making it. It prices
+    whole copies: with the weights in slices (ExpertDims.weight_chunks) the cost model also hides a
+    receiving rank's later slices behind its guest GEMMs of the earlier ones, so this is an upper
+    bound on what a copy exposes (a rank that only sends gains nothing from slices).
 
     One [3, R] array (sent, received, hiding seconds) rather than three: a copy updates it with one
     kernel and reads a rank's column with one gather, in loops that make one copy per step."""
