@@ -114,9 +114,10 @@ def check_kept_copies(out: dict, backend: str = "ragged") -> None:
     for each in (backend, "dense"):
         def body(wg, wu, wd, cg, cu, cd, backend=each):
             me = jax.lax.axis_index("node") * topology.gpus_per_node + jax.lax.axis_index("gpu")
+            previous = GuestCopies(held, ExpertWeights(cg, cu, cd))
             got = join_hidden(fetch_guest_weights(ExpertWeights(wg, wu, wd), guests, placement, me,
                                                   gpus_per_node=topology.gpus_per_node, backend=backend,
-                                                  hierarchical=False, previous=GuestCopies(held, ExpertWeights(cg, cu, cd)),
+                                                  hierarchical=False, previous=previous,
                                                   chunks=MoEConfig.guest_weight_chunks))
             return jax.lax.psum(sum((g ** 2).sum() for g in got), ("node", "gpu")), got
 
