@@ -212,7 +212,7 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
             guest = fetch_guest_weights(weights, plan.slot_expert[:, home:], placement, me, previous=previous,
                                         chunks=weight_chunks,
                                         **{k: move[k] for k in ("gpus_per_node", "backend", "hierarchical")})
-        copies = GuestCopies(plan.slot_expert[:, home:], guest[0] if len(guest) == 1 else join_hidden(guest))
+        copies = GuestCopies(plan.slot_expert[:, home:], join_hidden(guest))
     out = expert_ffn(by_slot, weights, guest, group_sizes)
 
     with jax.named_scope("combine"):

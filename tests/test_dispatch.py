@@ -293,3 +293,14 @@ def test_home_gemms_do_not_wait_for_guest_weights_nor_a_slice_for_the_next():
     uses = [(any(isinstance(v, Var) and v in first for v in e.invars),
              any(isinstance(v, Var) and v in second for v in e.invars)) for e in gemms]
     assert uses == [(False, False)] * 3 + [(True, False)] * 3 + [(False, True)] * 3, uses
+
+
+def test_layer_refuses_slices_that_do_not_divide_the_hidden_width(devices):
+    from flax import nnx
+
+    from jtopoep.config import MoEConfig
+    from jtopoep.layer import MoELayer
+
+    topo = Topology.preset("cpu-2x4")
+    with pytest.raises(ValueError, match=r"moe\.guest_weight_chunks = 2 must be a divisor of expert_hidden = 7"):
+        MoELayer(D, E, K_TOP, F, MoEConfig(guest_weight_chunks=2), topo, make_mesh(topo), rngs=nnx.Rngs(0))
