@@ -4,6 +4,7 @@ Runs on whatever devices the process has: on CPU, 8 emulated devices (2 nodes x 
 `dense` transport; on a GPU machine the `ragged` transport over the GPUs it has. Times are reported
 as ratios to the `none` planner measured in the same run (wall-clock on emulated CPU devices says
 nothing about GPU balance: the point here is the overhead of planning and rerouting, not speed-ups).
+Guest weights come in the layer's default slices (moe.guest_weight_chunks).
 Each setting runs with room for every pair in the receive buffers (recv_capacity_factor 0, R x T x k
 rows) and with buffers of twice a rank's own pairs (factor 2; the grouped GEMM runs over the whole
 buffer), recording the pairs a buffer could not take.
@@ -42,6 +43,7 @@ def main(argv=None) -> dict:
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    from jtopoep.config import MoEConfig
     from jtopoep.dispatch import ExpertWeights, moe_dispatch, receive_rows
     from jtopoep.plan import contiguous_placement
     from jtopoep.planners import get_planner
@@ -72,7 +74,8 @@ def main(argv=None) -> dict:
 
         def body(x, ids, gates, wg, wu, wd, planner=planner, hierarchical=hierarchical, recv_rows=recv_rows):
             y, stats = moe_dispatch(x, ids, gates, ExpertWeights(wg, wu, wd), placement, planner, backend=backend,
-                                    hierarchical=hierarchical, recv_rows=recv_rows)
+                                    hierarchical=hierarchical, recv_rows=recv_rows,
+                                    weight_chunks=MoEConfig.guest_weight_chunks)
             return y, stats.dropped[None]
 
         layer = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec, spec))
