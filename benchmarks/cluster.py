@@ -16,6 +16,8 @@ previous micro-batch and ships no weights for it (moe.keep_copies; its gradients
 and K = 2 with taot's score weighted for time (TIME_TAOT) rather than for weighted communication
 cost, its defaults. The DeepSeek-V2-Lite traces hold 3 micro-batches of 32 ranks, so a fourth
 repeats the first (never the one before it).
+Guest weights travel in the layer's default slices of the hidden width (moe.guest_weight_chunks),
+priced by costmodel.exposed_weight_seconds.
 Planning latency: the planner benchmark's jitted CPU median in its own configuration (calls inline,
 jtopoep.xla_cpu's settings; benchmarks/results/planners.json), stated as a CPU figure until a GPU
 one exists.
@@ -220,9 +222,10 @@ def planning_latency(path: pathlib.Path) -> dict:
 
 
 def markdown(results: dict) -> str:
-    lines = ["Projected from the cost model (jtopoep/costmodel.py) on real routing; planning latency is the "
-             "jitted CPU median from the planner benchmark (its configuration: calls inline, jtopoep.xla_cpu's "
-             "settings). Not GPU measurements.", ""]
+    lines = ["Projected from the cost model (jtopoep/costmodel.py) on real routing; guest weights in "
+             f"{results['weight_chunks']} slices of the hidden width "
+             "(moe.guest_weight_chunks); planning latency is the jitted CPU median from the planner benchmark (its "
+             "configuration: calls inline, jtopoep.xla_cpu's settings). Not GPU measurements.", ""]
     for setting, models in results["settings"].items():
         lines.append(f"### {setting}")
         lines.append("")
@@ -317,6 +320,7 @@ def main(argv=None) -> dict:
                      (f"K=2, taot with locality_weight {TIME_TAOT['locality_weight']} and weight_cost "
                       f"{TIME_TAOT['weight_cost']}", base_topology, 2, False, mats, {"taot": TIME_TAOT})]
     results = {"topology": args.topology, "tokens_per_gpu": TOKENS_PER_GPU, "min_gain": args.min_gain,
+               "weight_chunks": MoEConfig.guest_weight_chunks,
                "planning_latency_s": latency, "headline": "K=2", "settings": {}}
     for label, topology, k, keep, micro, knobs in settings:
         results["settings"][label] = {m: project(m, topology, k, latency, micro[m], args.window, args.min_gain, keep,
