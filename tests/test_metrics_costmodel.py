@@ -132,6 +132,25 @@ def test_weights_in_slices_hide_behind_the_slices_already_there():
         assert all(a >= b - 1e-12 for a, b in zip(times, times[1:])) and times[-1] >= 0
 
 
+def test_slice_exposure_is_the_timeline_of_its_docstring():
+    """The closed form against the timeline simulated slice by slice, per rank: forward, slice j lands
+    at (j + 1) out / n and its GEMM (g / n) starts once it has landed and the previous one is done,
+    after the home GEMMs; backward, the guest slices' backward (2 g / n each) runs first, and each
+    slice's gradients (back / n) go out when it is done and the link is free, before the home
+    backward (2 home) ends or late."""
+    rng = np.random.default_rng(1)
+    for chunks in (1, 2, 3, 5):
+        out, back, home, guest = (rng.uniform(0, 3, 12) for _ in range(4))
+        t = home.copy()
+        link = np.zeros(12)
+        for j in range(chunks):
+            t = np.maximum(t, (j + 1) * out / chunks) + guest / chunks
+            link = np.maximum(link, (j + 1) * 2 * guest / chunks) + back / chunks
+        forward = np.maximum(t - home - guest, 0).max()
+        backward = np.maximum(link - 2 * guest - 2 * home, 0).max()
+        assert exposed_weight_seconds(out, back, home, guest, chunks) == pytest.approx(forward + backward, abs=1e-12)
+
+
 def test_layer_time_prices_the_slices_of_its_dims():
     """A guest copy on rank 1 that takes 30 of expert 0's pairs: in slices, its weights partly hide
     behind its own guest GEMMs; nothing else changes."""
