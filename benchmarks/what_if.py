@@ -140,15 +140,18 @@ def gradients_behind_backward(plan, topology, dims, placement, planning_s=0.0, h
     return _with_weights(times, _exposed(plan, topology, dims, placement, out, np.zeros_like(out)))
 
 
-def whole_copies(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
-    """Guest weights in one piece (moe.guest_weight_chunks = 1): the guest GEMM waits for the whole
-    copy, and its gradients leave after the whole guest backward."""
-    return layer_time(plan, topology, dataclasses.replace(dims, weight_chunks=1), placement, planning_s, held)
+def in_slices(chunks: int):
+    """The cost model with the guest weights in `chunks` slices of the hidden width
+    (moe.guest_weight_chunks = chunks) rather than the plans' dims' count; 1 is whole copies: a guest
+    GEMM waits for its whole copy, and its gradients leave after the whole guest backward."""
+    def timing(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
+        return layer_time(plan, topology, dataclasses.replace(dims, weight_chunks=chunks), placement, planning_s,
+                          held)
+    return timing
 
 
-def in_eight_slices(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
-    """Guest weights in 8 slices of the hidden width (moe.guest_weight_chunks = 8)."""
-    return layer_time(plan, topology, dataclasses.replace(dims, weight_chunks=8), placement, planning_s, held)
+whole_copies = in_slices(1)
+in_eight_slices = in_slices(8)
 
 
 def transfers_and_planning_free(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
@@ -257,6 +260,7 @@ def locality_search(sample: SampledLayers, topology: Topology) -> dict:
         total["copies_added"] += added
     return {**total, "layers": sample.layers}
 
+
 def best_routing(plan, counts, topology: Topology, dims) -> tuple[float, np.ndarray]:
     """The routing of the plan's own copies and quotas with the fastest token exchange: a linear
     program over how many pairs each source sends to each copy of every expert with copies, that
@@ -332,6 +336,7 @@ def routing_bound(sample: SampledLayers, topology: Topology) -> dict:
         total["topoep_inter_pairs"] += float(np.asarray(plan.route).sum(2)[across].sum())
         total["best_inter_pairs"] += float(route.sum(2)[across].sum())
     return {**total, "layers": sample.layers}
+
 
 def markdown(results: dict) -> str:
     lines = ["Projected share of `ideal`'s gain over `none` (weights term, ms per step) for the same plans "

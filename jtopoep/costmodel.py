@@ -159,11 +159,6 @@ def slot_forward_seconds(plan: Plan, topology: Topology, dims: ExpertDims, place
     return per_rank_slot[:, :home].sum(1) * per_pair, per_rank_slot[:, home:].sum(1) * per_pair
 
 
-def home_forward_seconds(plan: Plan, topology: Topology, dims: ExpertDims, placement) -> np.ndarray:
-    """[R] seconds of each rank's home-slot forward GEMMs, behind which guest-weight transfers hide."""
-    return slot_forward_seconds(plan, topology, dims, placement)[0]
-
-
 def exposed_weight_seconds(weights_out: np.ndarray, grads_back: np.ndarray, home_fwd: np.ndarray,
                            guest_fwd: np.ndarray, chunks: int = 1) -> float:
     """The guest-weight term from per-rank seconds: weight transfers out, gradient transfers back,
