@@ -138,6 +138,9 @@ class MoEConfig:
     # benchmark's sweep) turns the test off: transfers mostly hide behind home GEMMs.
     min_gain: float = 0.0
     price_transfers: bool = True  # refuse copies exposing more transfer time than GEMM time they save
+    # ... unless the GEMM time plus this share of the exchange time they save (where the home rank's
+    # scale-out receive binds the exchange) pays for it; 0 counts GEMM time only (PlannerBase).
+    exchange_credit: float = 0.25
     # Receive buffer of each rank, in multiples of its own pairs (T * k); the grouped GEMM runs over
     # all of it. 0: R * T * k, room for every pair of every source, never cut. A step whose plan sends a
     # rank more stops training with an error (jtopoep.dispatch).
@@ -169,7 +172,7 @@ class MoEConfig:
         _choice("moe", self, "transport", TRANSPORTS)
         _choice("moe", self, "score_fn", SCORE_FNS)
         _non_negative("moe", self, "guest_slots", "min_gain", "aux_loss_coef", "z_loss_coef",
-                      "bias_update_rate", "taot_locality_weight", "taot_weight_cost")
+                      "bias_update_rate", "taot_locality_weight", "taot_weight_cost", "exchange_credit")
         _positive("moe", self, "sinkhorn_epsilon", "sinkhorn_iters", "guest_weight_chunks")
         _require(self.recv_capacity_factor == 0 or self.recv_capacity_factor >= 1, "moe.recv_capacity_factor",
                  self.recv_capacity_factor, "0 (room for every pair) or a value >= 1 (a rank's own pairs)")

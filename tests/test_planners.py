@@ -228,3 +228,61 @@ def test_topoep_puts_a_copy_where_it_is_held_when_that_balances_as_well():
     assert imbalance(told) == imbalance(plain)
     with pytest.raises(ValueError, match=r"held has shape \(8, 3\)"):
         get_planner("topoep", topology=TOPO, num_experts=8 * R, guest_slots=2)(counts, None, np.full((R, 3), -1))
+
+
+def test_exchange_saving_is_the_fall_of_the_largest_scale_out_receive():
+    """Receives 5, 3, 2, 1 s (send floor 0.5): a copy off rank 0 (the largest) that takes 3 s off it
+    and adds 1 s to rank 3 leaves rank 1's 3 s the largest, a saving of 2 s; onto rank 1 instead,
+    rank 1 rises to 4 s, a saving of 1 s. Off rank 1 (not the largest) it saves nothing, and with a
+    send floor of 4.5 s only the 0.5 s above it counts."""
+    from jtopoep.planners.pricing import TransferClock, exchange_saving
+
+    recv = jnp.asarray([5.0, 3.0, 2.0, 1.0])
+    clock = TransferClock.start(jnp.zeros(4), recv, jnp.full(4, 0.5))
+    np.testing.assert_allclose(exchange_saving(clock, 0, None, 3.0, 1.0), [0.0, 1.0, 2.0, 2.0])
+    assert float(exchange_saving(clock, 0, 3, 3.0, 1.0)) == 2.0
+    assert float(exchange_saving(clock, 1, 3, 3.0, 1.0)) == 0.0
+    floored = TransferClock.start(jnp.zeros(4), recv, jnp.full(4, 4.5))
+    assert float(exchange_saving(floored, 0, 3, 3.0, 1.0)) == 0.5
+    # Per candidate and rank at once ([C, R], as taot prices them): the same figures.
+    both = exchange_saving(clock, jnp.asarray([[0], [1]]), None, 3.0, 1.0)
+    np.testing.assert_allclose(both, [[0.0, 1.0, 2.0, 2.0], [0.0] * 4])
+
+
+def test_tracked_scale_out_exchange_starts_as_the_cost_model_prices_the_home_plan():
+    from jtopoep.costmodel import EXCHANGES_PER_LAYER, link_class
+    from jtopoep.plan import home_plan
+    from jtopoep.planners.pricing import home_exchange_seconds
+
+    counts = adversarial("random", 2 * R, 50, 3)
+    placement = np.arange(2 * R).reshape(R, 2)
+    per_pair = EXCHANGES_PER_LAYER * DIMS.pair_bytes / TOPO.inter_bw
+    recv, send = home_exchange_seconds(jnp.asarray(counts), jnp.asarray(placement), TOPO.gpus_per_node, per_pair)
+    pairs = np.asarray(home_plan(jnp.asarray(counts), jnp.asarray(placement), 0).route).sum(2)
+    across = np.where(link_class(TOPO) == 2, pairs, 0)
+    np.testing.assert_allclose(recv, across.sum(0) * per_pair, rtol=1e-6)
+    np.testing.assert_allclose(send, across.sum(1) * per_pair, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["topoep", "taot"])
+def test_a_copy_may_pay_for_its_weights_with_the_exchange_it_saves(name):
+    """Expert 0 (rank 0, node 0) takes 1000 pairs from each rank of node 1, the rest 100: rank 0's
+    scale-out receive binds the exchange. With narrow experts (F = 256) the GEMM time a copy saves
+    does not pay for shipping it, so GEMM-only pricing (exchange_credit 0) makes none; counting a
+    quarter of the exchange time a copy on node 1 saves, copies are made, and the cost model's layer
+    time falls by about a fifth."""
+    from jtopoep.costmodel import ExpertDims, layer_time
+
+    dims = ExpertDims(d_model=2048, expert_hidden=256, bytes_per_element=2)
+    counts = np.full((R, 16), 100, np.int32)
+    counts[4:, 0] = 1000
+    placement = np.arange(16).reshape(R, 2)
+    times = {}
+    for credit in (0.0, 0.25):
+        plan = get_planner(name, topology=TOPO, num_experts=16, guest_slots=2, dims=dims,
+                           exchange_credit=credit)(counts)
+        check_plan(plan, counts)
+        times[credit] = layer_time(plan, TOPO, dims, placement)["total_s"]
+        copies = (np.asarray(plan.slot_expert)[:, 2:] >= 0).sum()
+        assert (copies == 0) == (credit == 0), (credit, copies)
+    assert times[0.25] < 0.9 * times[0.0]

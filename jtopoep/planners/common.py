@@ -38,6 +38,15 @@ class PlannerBase:
     # Refuse copies that expose more weight-transfer time than the GEMM time they save (cost model,
     # TransferClock). False balances load regardless of transfer cost. Needs dims to have an effect.
     price_transfers: bool = True
+    # Share of the token-exchange time a copy saves (pricing.exchange_saving: the fall of the
+    # largest scale-out receive, tracked as copies are made) that counts toward paying for its
+    # weight transfer; 0 counts only the GEMM time saved. From benchmarks.cluster (K = 1, 2, 4;
+    # inter-node bandwidth x0.5, 1, 2; four models): a quarter was at or above no credit in every
+    # setting for both topoep and taot, and lifted Qwen1.5-MoE at half bandwidth from 41% to 80% of
+    # ideal's gain (topoep); the whole saving lost up to 1.2 points on DeepSeek-V3 at half bandwidth,
+    # where the tracked receives (an estimate of locality-tiered routing) are off by a few percent
+    # and many ranks are within that of the largest. Needs dims and price_transfers.
+    exchange_credit: float = 0.25
 
     def __post_init__(self):
         ranks = self.topology.num_ranks
@@ -48,6 +57,8 @@ class PlannerBase:
             raise ValueError(f"guest_slots = {self.guest_slots} must be >= 0")
         if self.min_gain < 0:
             raise ValueError(f"min_gain = {self.min_gain} must be >= 0")
+        if not self.exchange_credit >= 0:
+            raise ValueError(f"exchange_credit = {self.exchange_credit} must be >= 0")
         if self.min_gain > 0 and self.dims is None:
             raise ValueError("min_gain > 0 needs dims (ExpertDims) to price a copy's weight transfer")
 
@@ -56,8 +67,11 @@ class PlannerBase:
         return self.topology.num_ranks
 
     def transfer_costs(self):
-        """(link seconds [R, R], forward and forward+backward seconds per pair) for pricing copies."""
-        return transfer_costs(self.topology, self.dims if self.price_transfers else None)
+        """(link seconds [R, R], forward and forward+backward seconds per pair, credited scale-out
+        exchange seconds per pair) for pricing copies."""
+        link_s, pair_fwd_s, pair_s, pair_xchg_s = transfer_costs(self.topology, self.dims if self.price_transfers
+                                                                 else None)
+        return link_s, pair_fwd_s, pair_s, self.exchange_credit * pair_xchg_s
 
     @property
     def home_slots(self) -> int:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from jtopoep.plan import Plan, home_rank_of_experts
 from jtopoep.planners.common import PlannerBase, carry_like, guest_quotas_to_slots, holds_home
-from jtopoep.planners.pricing import TransferClock, clock_after_copy
+from jtopoep.planners.pricing import TransferClock, clock_after_copy, home_exchange_seconds, scale_out_shift
 from jtopoep.planners.routing import plan_from_quotas
 from jtopoep.planners.swaps import locality_swaps
 
@@ -60,19 +60,24 @@ class CopyState(NamedTuple):
         return (self.ranks.shape[1] - _GUESTS) // 2
 
 
-def start_copies(counts, placement, cand, spill, target, slots: int, pair_fwd_s: float) -> CopyState:
+def start_copies(counts, placement, cand, spill, target, slots: int, pair_fwd_s: float, pair_xchg_s: float,
+                 gpus_per_node: int) -> CopyState:
     num_ranks, num_experts = counts.shape
     rank_loads = counts.sum(0)[placement].sum(1)
     ranks = jnp.concatenate([(target - rank_loads)[:, None], jnp.zeros((num_ranks, 1), jnp.int32),
                              jnp.full((num_ranks, slots), -1, jnp.int32), jnp.zeros((num_ranks, slots), jnp.int32)],
                             axis=1).astype(jnp.int32)
     state = CopyState(jnp.int32(0), spill[cand], ranks, holds_home(home_rank_of_experts(placement)[cand], num_ranks),
-                      TransferClock.start(rank_loads.astype(jnp.float32) * pair_fwd_s))
+                      TransferClock.start(rank_loads.astype(jnp.float32) * pair_fwd_s,
+                                          *home_exchange_seconds(counts, placement, gpus_per_node, pair_xchg_s)))
     return carry_like(state, counts)
 
 
-def make_copy(state: CopyState, e, d, amount, ok, cand, home, link, pair_fwd_s: float) -> CopyState:
-    """Put a copy of candidate e on rank d taking `amount` pairs off its home rank, where ok."""
+def make_copy(state: CopyState, e, d, amount, ok, cand, home, link, pair_fwd_s: float, crossing, pair_xchg_s: float
+              ) -> CopyState:
+    """Put a copy of candidate e on rank d taking `amount` pairs off its home rank, where ok.
+    crossing: (e's uncovered pairs from d's node, from the home's node, from all nodes, whether d is
+    on the home's node), for the scale-out exchange the copy shifts (pricing.scale_out_shift)."""
     num_ranks, slots = state.ranks.shape[0], state.slots
     amount = jnp.where(ok, amount, 0)
     at_d = (ok & (jnp.arange(num_ranks) == d))[:, None]
@@ -91,10 +96,12 @@ def make_copy(state: CopyState, e, d, amount, ok, cand, home, link, pair_fwd_s: 
         spill=state.spill - jnp.where(is_e, amount, 0),
         ranks=ranks,
         holds=state.holds | (at_d & is_e[None, :]),
-        clock=clock_after_copy(state.clock, home, d, link, amount.astype(jnp.float32) * pair_fwd_s, ok))
+        clock=clock_after_copy(state.clock, home, d, link, amount.astype(jnp.float32) * pair_fwd_s, ok,
+                               *(pair_xchg_s * x for x in scale_out_shift(amount.astype(jnp.float32), *crossing))))
 
 
-def copy_overshedding(state: CopyState, e, d, amount, ok, cand, cand_home, kept, link, pair_fwd_s: float):
+def copy_overshedding(state: CopyState, e, d, amount, ok, cand, cand_home, kept, link, pair_fwd_s: float, crossing,
+                      pair_xchg_s: float):
     """make_copy of candidate e on rank d taking `amount` pairs (at most e's spill), or more when a
     copy would strand room; returns the state and the pairs the copy takes.
 
@@ -108,7 +115,7 @@ def copy_overshedding(state: CopyState, e, d, amount, ok, cand, cand_home, kept,
     would otherwise be counted twice.
     Slots and scarcity are counted as if a rank had at most OVERSHED_SLOTS guest slots (a copy into
     its second slot or later may take all its room), however many it has.
-    cand_home: [C] home rank of each candidate."""
+    cand_home: [C] home rank of each candidate; crossing and pair_xchg_s as make_copy's."""
     need = state.spill[e]
     stranded = state.room[d] - amount  # > 0 only when the copy ends e's spill (amount = need)
     budget = min(state.slots, OVERSHED_SLOTS)
@@ -118,7 +125,7 @@ def copy_overshedding(state: CopyState, e, d, amount, ok, cand, cand_home, kept,
     others = ((cand_home == cand_home[e]) & (jnp.arange(state.spill.shape[0]) != e) & (state.spill > 0)).any()
     fits = ok & (state.used[d] >= budget - 1) & (stranded > 0) & scarce & ~others
     amount = amount + jnp.where(fits, jnp.minimum(stranded, kept[e]), 0)
-    return make_copy(state, e, d, amount, ok, cand, cand_home[e], link, pair_fwd_s), amount
+    return make_copy(state, e, d, amount, ok, cand, cand_home[e], link, pair_fwd_s, crossing, pair_xchg_s), amount
 
 
 def finish_plan(planner: PlannerBase, counts, placement, state: CopyState, cand) -> Plan:

@@ -10,7 +10,8 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
-from jtopoep.costmodel import ExpertDims
+from jtopoep.costmodel import EXCHANGES_PER_LAYER, ExpertDims
+from jtopoep.ordering import first_argmax
 from jtopoep.topology import Topology
 
 
@@ -21,7 +22,8 @@ def node_link_class(topology: Topology, xp=jnp):
 
 
 class TransferClock(NamedTuple):
-    """Per-rank seconds of guest-weight transfer against the home-slot GEMM time that hides them.
+    """Per-rank seconds of guest-weight transfer against the home-slot GEMM time that hides them,
+    and of the token exchange over the scale-out link.
 
     The cost model's rule: weights a rank sends (as home) or receives (as host) are free while they
     fit behind its home-slot forward GEMMs, and gradients going back behind its backward (twice the
@@ -30,14 +32,23 @@ class TransferClock(NamedTuple):
     receiving rank's later slices behind its guest GEMMs of the earlier ones, so this is an upper
     bound on what a copy exposes (a rank that only sends gains nothing from slices).
 
-    One [3, R] array (sent, received, hiding seconds) rather than three: a copy updates it with one
-    kernel and reads a rank's column with one gather, in loops that make one copy per step."""
-    seconds: jnp.ndarray  # [3, R] float32: weights sent, weights received, home-slot forward GEMM
+    The exchange rows track what the cost model charges for the token exchange where it binds: the
+    scale-out receive of the ranks that host hot experts (pairs from other nodes). A copy on another
+    rank takes pairs off its home's receive, which saves exchange time when that receive is the
+    largest (exchange_saving); the send side is kept as it starts, a floor under the saving. Planners
+    keep these rows in seconds times their exchange_credit, so what they save is credited at that share.
+
+    One [5, R] array rather than five: a copy updates it with one kernel and reads a rank's column
+    with one gather, in loops that make one copy per step."""
+    # [5, R] float32: weights sent, weights received, home-slot forward GEMM, scale-out exchange
+    # receive and send (all EXCHANGES_PER_LAYER exchanges)
+    seconds: jnp.ndarray
 
     @classmethod
-    def start(cls, hide):
-        """Nothing sent or received yet; `hide` [R] seconds of home-slot forward GEMM."""
-        return cls(jnp.stack([jnp.zeros_like(hide), jnp.zeros_like(hide), hide]))
+    def start(cls, hide, exchange_recv, exchange_send):
+        """Nothing sent or received yet; `hide` [R] seconds of home-slot forward GEMM, and each rank's
+        scale-out exchange seconds received and sent with every pair at its home."""
+        return cls(jnp.stack([jnp.zeros_like(hide), jnp.zeros_like(hide), hide, exchange_recv, exchange_send]))
 
     @property
     def send(self):
@@ -51,17 +62,73 @@ class TransferClock(NamedTuple):
     def hide(self):
         return self.seconds[2]
 
+    @property
+    def exchange_recv(self):
+        return self.seconds[3]
+
+    @property
+    def exchange_send(self):
+        return self.seconds[4]
+
 
 def transfer_costs(topology: Topology, dims: ExpertDims | None):
     """(seconds to ship one expert between each pair of ranks [R, R], forward seconds per pair,
-    forward+backward seconds per pair); zeros without dims, which makes every copy free."""
+    forward+backward seconds per pair, scale-out exchange seconds per pair); zeros without dims,
+    which makes every copy free."""
     num_ranks = topology.num_ranks
     if dims is None:
-        return jnp.zeros((num_ranks, num_ranks), jnp.float32), 0.0, 0.0
+        return jnp.zeros((num_ranks, num_ranks), jnp.float32), 0.0, 0.0, 0.0
     rate = topology.flops * topology.mfu
     link_s = jnp.where(node_link_class(topology), dims.expert_bytes / topology.inter_bw,
                        dims.expert_bytes / topology.intra_bw).astype(jnp.float32)
-    return link_s, dims.pair_flops / 3.0 / rate, dims.pair_flops / rate
+    return (link_s, dims.pair_flops / 3.0 / rate, dims.pair_flops / rate,
+            EXCHANGES_PER_LAYER * dims.pair_bytes / topology.inter_bw)
+
+
+def home_exchange_seconds(counts, placement, gpus_per_node: int, pair_xchg_s: float):
+    """([R] scale-out exchange seconds each rank receives, [R] it sends) with every pair at its home."""
+    num_ranks = counts.shape[0]
+    to_home = counts[:, placement].sum(-1)  # [R(source), R(home)], integers: exact sums in any order
+    node = jnp.arange(num_ranks) // gpus_per_node
+    across = jnp.where(node[:, None] != node[None, :], to_home, 0)
+    return across.sum(0).astype(jnp.float32) * pair_xchg_s, across.sum(1).astype(jnp.float32) * pair_xchg_s
+
+
+def scale_out_shift(take, crossing_dest, crossing_home, crossing_all, same_node):
+    """(pairs off the home's scale-out receive, pairs onto the destination's) when a copy takes
+    `take` pairs of an expert, as locality-tiered routing feeds it: first the uncovered pairs of its
+    own node (crossing_dest; they stop crossing to the home when the node is another), the rest
+    from the other nodes' uncovered pairs in proportion, crossing to the copy, and off the home's
+    receive except the share from the home's own node (crossing_home, all uncovered pairs
+    crossing_all). Broadcasts."""
+    local = jnp.minimum(take, crossing_dest)
+    rest = take - local
+    elsewhere = crossing_all - crossing_dest
+    from_home_node = jnp.where(same_node | (elsewhere <= 0), 0.0, crossing_home / jnp.maximum(elsewhere, 1e-30))
+    drop = jnp.where(same_node, 0.0, local) + rest * (1.0 - jnp.minimum(from_home_node, 1.0))
+    return drop, rest
+
+
+def exchange_saving(clock: TransferClock, home, dest, drop_s, rise_s):
+    """Exchange seconds a copy saves: the fall of the largest scale-out exchange (receive, or the
+    send floor) when `home`'s receive falls by drop_s and `dest`'s rises by rise_s. Zero unless the
+    home's receive is the largest (the first of equals). Broadcasts; dest None means every rank.
+
+    Three plain reductions find the largest receives (the largest among ranks other than home and
+    dest is the second or the third when home holds the first): a sort (lax.top_k) in the loop
+    body doubled taot's planning latency on XLA:CPU."""
+    recv = clock.exchange_recv
+    ranks = jnp.arange(recv.shape[0])
+    first = first_argmax(recv)
+    without_first = jnp.where(ranks == first, -jnp.inf, recv)
+    second = first_argmax(without_first)
+    top2, top3 = without_first[second], jnp.where(ranks == second, -jnp.inf, without_first).max()
+    floor = clock.exchange_send.max()
+    before = jnp.maximum(recv[first], floor)
+    dest = ranks if dest is None else dest
+    others = jnp.maximum(jnp.where(dest == second, top3, top2), floor)
+    after = jnp.maximum(others, jnp.maximum(recv[home] - drop_s, recv[dest] + rise_s))
+    return jnp.where(home == first, jnp.maximum(before - after, 0.0), 0.0)
 
 
 def _exposed(send, recv, hide):
@@ -77,7 +144,7 @@ def copy_exposure(clock: TransferClock, home, dest, link, moved_fwd_s):
     exposed rank, forward and backward, so a transfer costs only what it adds to those maxima.
     Broadcasts over candidate arrays; dest None prices a copy to every rank, [R]."""
     fwd_max, bwd_max = jnp.stack(_exposed(clock.send, clock.recv, clock.hide)).max(1)
-    at_home = clock.seconds[:, home]  # [3, ...] one gather
+    at_home = clock.seconds[:, home]  # [5, ...] one gather
     at_dest = clock.seconds if dest is None else clock.seconds[:, dest]
     home_fwd, home_bwd = _exposed(at_home[0] + link, at_home[1], at_home[2] - moved_fwd_s)
     dest_fwd, dest_bwd = _exposed(at_dest[0], at_dest[1] + link, at_dest[2])
@@ -85,13 +152,14 @@ def copy_exposure(clock: TransferClock, home, dest, link, moved_fwd_s):
             + jnp.maximum(jnp.maximum(home_bwd, dest_bwd) - bwd_max, 0.0))
 
 
-def clock_after_copy(clock: TransferClock, home, dest, link, moved_fwd_s, ok) -> TransferClock:
+def clock_after_copy(clock: TransferClock, home, dest, link, moved_fwd_s, ok, drop_s=0.0, rise_s=0.0) -> TransferClock:
     """The clock after `home` ships one expert to `dest` (link seconds), where ok; the home's slots
-    lose moved_fwd_s of forward GEMM."""
+    lose moved_fwd_s of forward GEMM, its scale-out receive drop_s, and dest's receive gains rise_s."""
     ranks = jnp.arange(clock.seconds.shape[1])[None, :]
-    row = jnp.arange(3)[:, None]
+    row = jnp.arange(5)[:, None]
     at_home = ok & (ranks == home)
     at_dest = ok & (ranks == dest)
     delta = (jnp.where((row == 0) & at_home, link, 0.0) + jnp.where((row == 1) & at_dest, link, 0.0)
-             - jnp.where((row == 2) & at_home, moved_fwd_s, 0.0))
+             - jnp.where((row == 2) & at_home, moved_fwd_s, 0.0)
+             - jnp.where((row == 3) & at_home, drop_s, 0.0) + jnp.where((row == 3) & at_dest, rise_s, 0.0))
     return TransferClock(clock.seconds + delta)

@@ -37,7 +37,7 @@ def locality_swaps(counts, placement, guests, quotas, cand, topology: Topology, 
     nodes = num_ranks // gpus_per_node
     pair_bytes = EXCHANGES_PER_LAYER * dims.pair_bytes
     copy_bytes = 2.0 * dims.expert_bytes
-    link_s, pair_fwd_s, _ = transfer_costs(topology, dims)  # [R, R] seconds to ship one expert
+    link_s, pair_fwd_s, _, _ = transfer_costs(topology, dims)  # [R, R] seconds to ship one expert
     loads = counts.sum(0)
     home_rank = home_rank_of_experts(placement)
     home_node = home_rank // gpus_per_node

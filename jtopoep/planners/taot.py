@@ -16,8 +16,8 @@
    its link, the cheaper link on ties; the best move is made and charged against F[h, l] and X.
    a = locality_weight and b = weight_cost trade balance for weighted communication cost. Copies
    that fail the min-gain test for their link class, or
-   expose more weight-transfer time than the GEMM time they save (the same pricing.TransferClock
-   rule as topoep), are never matched. A move into its rank's last free slot may take more than
+   expose more weight-transfer time than the GEMM time they save plus exchange_credit x the exchange
+   time (the same pricing.TransferClock rule as topoep), are never matched. A move into its rank's last free slot may take more than
    the expert's spill, as in topoep (copies.copy_overshedding), when free slots are scarcer than
    spilling experts;
 4. home slots keep what their copies do not take; token routing is the locality-tiered routing
@@ -40,7 +40,7 @@ from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, holds_he
                                      spill_candidates, spill_per_expert, uncovered_node_pairs)
 from jtopoep.planners.copies import copy_overshedding, finish_plan, start_copies
 from jtopoep.planners.loops import step_until_done
-from jtopoep.planners.pricing import copy_exposure, node_link_class
+from jtopoep.planners.pricing import copy_exposure, exchange_saving, node_link_class, scale_out_shift
 from jtopoep.planners.sinkhorn import sinkhorn
 
 
@@ -92,12 +92,13 @@ class TaotPlanner(PlannerBase):
         thr_intra, thr_inter = self.gain_thresholds()
         threshold = jnp.where(node_link_class(self.topology)[home], thr_inter, thr_intra)  # [C, R]
         link_bonus = 1e-3 / (1.0 + cost[home])  # [C, R]
-        link_s, pair_fwd_s, pair_s = self.transfer_costs()
+        link_s, pair_fwd_s, pair_s, pair_xchg_s = self.transfer_costs()
         link = link_s[home]  # [C, R] seconds to ship each candidate to each rank
         rank_ids = jnp.arange(num_ranks, dtype=jnp.int32)
         gpus = self.topology.gpus_per_node
         rank_node = rank_ids // gpus
         crossing0 = uncovered_node_pairs(counts, loads, spill0, cand, home, gpus)  # [N, C]
+        same_node = rank_node[None, :] == (home // gpus)[:, None]  # [C, R]
 
         bonus = 1.0 + link_bonus  # [C, R]
         # What shipping each candidate to each rank costs, in the score's unit (pairs): the copy's
@@ -121,7 +122,13 @@ class TaotPlanner(PlannerBase):
             moved = amount.astype(jnp.float32)
             # A copy must save more GEMM time on the hot rank than the transfer time it exposes.
             exposure = copy_exposure(state.clock, home[:, None], None, link, moved * pair_fwd_s)
-            feasible = (amount > 0) & (state.used < slots)[None, :] & ~state.holds.T & (moved * pair_s >= exposure)
+            # The exchange time a copy saves where its home's scale-out receive binds.
+            at_home = jnp.take_along_axis(crossing, home[:, None], axis=1)  # [C, 1]
+            everywhere = crossing.reshape(num_cand, -1, gpus)[:, :, 0].sum(1)[:, None]  # [C, 1]
+            drop, rise = scale_out_shift(moved, crossing, at_home, everywhere, same_node)
+            credit = exchange_saving(state.clock, home[:, None], None, drop * pair_xchg_s, rise * pair_xchg_s)
+            feasible = ((amount > 0) & (state.used < slots)[None, :] & ~state.holds.T
+                        & (moved * pair_s + credit >= exposure))
             if thr_inter or thr_intra:
                 feasible &= moved >= threshold
             # The pairs moved, doubled for the share of them the transport plan routes from h to l:
@@ -137,7 +144,9 @@ class TaotPlanner(PlannerBase):
             flat = first_argmax(jnp.where(feasible, score, -jnp.inf))
             e, d = flat // num_ranks, flat % num_ranks
             ok = feasible[e, d]
-            state, taken = copy_overshedding(state, e, d, amount[e, d], ok, cand, home, kept, link[e, d], pair_fwd_s)
+            state, taken = copy_overshedding(state, e, d, amount[e, d], ok, cand, home, kept, link[e, d], pair_fwd_s,
+                                             (crossing[e, d], at_home[e, 0], everywhere[e, 0], same_node[e, d]),
+                                             pair_xchg_s)
             state = state._replace(step=jnp.where(ok, state.step + 1, num_ranks * slots))
             charged = jnp.where(ok, taken.astype(jnp.float32), 0.0)
             hint = hint - jnp.where((home[:, None] == home[e]) & (rank_ids[None, :] == d), charged, 0.0)
@@ -145,7 +154,7 @@ class TaotPlanner(PlannerBase):
             crossing = jnp.maximum(crossing - jnp.where(served, charged, 0.0), 0.0)
             return state, hint, crossing
 
-        state = start_copies(counts, placement, cand, spill0, target, slots, pair_fwd_s)
+        state = start_copies(counts, placement, cand, spill0, target, slots, pair_fwd_s, pair_xchg_s, gpus)
         # One copy per step, until no feasible move is left (a test every device evaluates alike).
         hint = self.flow_hint(counts, placement).plan[home]  # [C, R]
         state, _, _ = step_until_done(step, (state, carry_like(hint, counts), carry_like(crossing0[rank_node].T, counts)),

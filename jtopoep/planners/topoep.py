@@ -12,9 +12,11 @@
    that saving the one that absorbs the most, so each copy fills a rank or ends the spill;
    intra-node refinement: within that node, the least-loaded free rank (most room), or a rank that
    holds the expert from the step's previous micro-batch (`held`) and absorbs as much;
-   a copy must save more GEMM time on the hot rank than the weight-transfer time it exposes under the
-   cost model (pricing.TransferClock: transfers hide behind home-slot GEMMs until those run out) and
-   pass the min-gain test for its link class, else the expert's remaining spill stays home;
+   a copy must save more GEMM time on the hot rank, plus exchange_credit x the exchange time it saves
+   where its home's scale-out receive binds (pricing.exchange_saving), than the weight-transfer time
+   it exposes under the cost model (pricing.TransferClock: transfers hide behind home-slot GEMMs until
+   those run out) and pass the min-gain test for its link class, else the expert's remaining spill
+   stays home;
    a copy into its rank's last free slot that would leave room there takes all of it when free
    slots on ranks with room are fewer than the experts still spilling, which opens room (and free
    slots) on the expert's home rank for the next ones (copies.copy_overshedding);
@@ -43,7 +45,7 @@ from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, holds_he
                                      spill_candidates, spill_per_expert, uncovered_node_pairs)
 from jtopoep.planners.copies import copy_overshedding, finish_plan, start_copies
 from jtopoep.planners.loops import step_until_done
-from jtopoep.planners.pricing import copy_exposure, node_link_class
+from jtopoep.planners.pricing import copy_exposure, exchange_saving, node_link_class, scale_out_shift
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +61,9 @@ class TopoEPPlanner(PlannerBase):
         else:
             pair_bytes = EXCHANGES_PER_LAYER * self.dims.pair_bytes
             copy_bytes = 2.0 * self.dims.expert_bytes
-        link_s, pair_fwd_s, pair_s = self.transfer_costs()
+        link_s, pair_fwd_s, pair_s, pair_xchg_s = self.transfer_costs()
         node_ids = jnp.arange(nodes, dtype=jnp.int32)
+        rank_node = jnp.arange(num_ranks, dtype=jnp.int32) // gpus
         spill0 = spill_per_expert(loads, placement, target)
         num_cand = num_copy_candidates(num_experts, num_ranks, slots)
         cand = spill_candidates(spill0, loads, num_cand)  # [C] expert ids
@@ -83,7 +86,14 @@ class TopoEPPlanner(PlannerBase):
             # more GEMM time on the hot rank than the transfer time it exposes (and passes min-gain).
             take = jnp.minimum(need, state.room).astype(jnp.float32)  # [R]
             exposure = copy_exposure(state.clock, home, None, link_s[home], take * pair_fwd_s)
-            qualifies = (state.used < slots) & ~state.holds[:, e] & (state.room > 0) & (take * pair_s >= exposure)
+            # The exchange time the copy saves where its home's scale-out receive binds.
+            col = crossing[:, e]  # [N]
+            home_node = home // gpus
+            shift = (col[home_node], col.sum())
+            drop, rise = scale_out_shift(take, col[rank_node], *shift, rank_node == home_node)
+            credit = exchange_saving(state.clock, home, None, drop * pair_xchg_s, rise * pair_xchg_s)
+            qualifies = ((state.used < slots) & ~state.holds[:, e] & (state.room > 0)
+                         & (take * pair_s + credit >= exposure))
             if thr_inter or thr_intra:
                 qualifies &= take >= jnp.where(rank_remote[home], thr_inter, thr_intra)
             room_free = jnp.where(qualifies, state.room, never).reshape(nodes, gpus)
@@ -116,7 +126,7 @@ class TopoEPPlanner(PlannerBase):
             node, ok = jnp.maximum(winner - 1, 0), winner > 0
             d = dest[node]
             state, amount = copy_overshedding(state, e, d, absorb[node], ok, cand, cand_home, kept, link_s[home, d],
-                                              pair_fwd_s)
+                                              pair_fwd_s, (col[node], *shift, node == home_node), pair_xchg_s)
             # A spilling expert that cannot be placed anywhere keeps its spill at home.
             state = state._replace(spill=jnp.where((expert_ids == e) & ~ok, 0, state.spill),
                                    step=jnp.where(need > 0, state.step + 1, num_ranks * slots))
@@ -124,7 +134,7 @@ class TopoEPPlanner(PlannerBase):
             crossing = jnp.maximum(crossing - jnp.where(served, amount.astype(jnp.float32), 0.0), 0.0)
             return state, crossing
 
-        state = start_copies(counts, placement, cand, spill0, target, slots, pair_fwd_s)
+        state = start_copies(counts, placement, cand, spill0, target, slots, pair_fwd_s, pair_xchg_s, gpus)
         # At most one copy per step and R * K slots; the loop also ends once no spill is left. The
         # exit test reads only values every device holds identically, so all stop at the same step.
         state, _ = step_until_done(step, (state, carry_like(crossing0, counts)), lambda c: c[0].step,
