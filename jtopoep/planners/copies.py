@@ -76,8 +76,8 @@ def start_copies(counts, placement, cand, spill, target, slots: int, pair_fwd_s:
 def make_copy(state: CopyState, e, d, amount, ok, cand, home, link, pair_fwd_s: float, crossing, pair_xchg_s: float
               ) -> CopyState:
     """Put a copy of candidate e on rank d taking `amount` pairs off its home rank, where ok.
-    crossing: (e's uncovered pairs from d's node, from the home's node, from all nodes, whether d is
-    on the home's node), for the scale-out exchange the copy shifts (pricing.scale_out_shift)."""
+    crossing: (e's uncovered pairs from d's node, the home node's share of the rest, whether d is on
+    the home's node), for the scale-out exchange the copy shifts (pricing.scale_out_shift)."""
     num_ranks, slots = state.ranks.shape[0], state.slots
     amount = jnp.where(ok, amount, 0)
     at_d = (ok & (jnp.arange(num_ranks) == d))[:, None]

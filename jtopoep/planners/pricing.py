@@ -94,41 +94,46 @@ def home_exchange_seconds(counts, placement, gpus_per_node: int, pair_xchg_s: fl
     return across.sum(0).astype(jnp.float32) * pair_xchg_s, across.sum(1).astype(jnp.float32) * pair_xchg_s
 
 
-def scale_out_shift(take, crossing_dest, crossing_home, crossing_all, same_node):
+def home_node_share(crossing_nodes, home_node):
+    """[..., N] the share of the home node's uncovered pairs among those of the nodes other than n,
+    for each node n of a copy (0 on the home node itself: its copies draw from other nodes only).
+    crossing_nodes [..., N] an expert's uncovered pairs from each node, home_node [...] or scalar."""
+    nodes = jnp.arange(crossing_nodes.shape[-1])
+    home_node = jnp.asarray(home_node)[..., None]
+    at_home = jnp.take_along_axis(crossing_nodes, home_node, axis=-1)  # [..., 1]
+    elsewhere = crossing_nodes.sum(-1, keepdims=True) - crossing_nodes
+    share = jnp.where(elsewhere > 0, at_home / jnp.maximum(elsewhere, 1e-30), 0.0)
+    return jnp.where(nodes == home_node, 0.0, jnp.minimum(share, 1.0))
+
+
+def scale_out_shift(take, crossing_dest, home_share, same_node):
     """(pairs off the home's scale-out receive, pairs onto the destination's) when a copy takes
     `take` pairs of an expert, as locality-tiered routing feeds it: first the uncovered pairs of its
-    own node (crossing_dest; they stop crossing to the home when the node is another), the rest
-    from the other nodes' uncovered pairs in proportion, crossing to the copy, and off the home's
-    receive except the share from the home's own node (crossing_home, all uncovered pairs
-    crossing_all). Broadcasts."""
+    own node (crossing_dest), which stop crossing to the home when that node is another; the rest
+    from the other nodes' uncovered pairs in proportion, all crossing to the copy, and crossing to
+    the home but for the home node's share (home_node_share). Broadcasts."""
     local = jnp.minimum(take, crossing_dest)
     rest = take - local
-    elsewhere = crossing_all - crossing_dest
-    from_home_node = jnp.where(same_node | (elsewhere <= 0), 0.0, crossing_home / jnp.maximum(elsewhere, 1e-30))
-    drop = jnp.where(same_node, 0.0, local) + rest * (1.0 - jnp.minimum(from_home_node, 1.0))
-    return drop, rest
+    return jnp.where(same_node, 0.0, local) + rest * (1.0 - home_share), rest
 
 
 def exchange_saving(clock: TransferClock, home, dest, drop_s, rise_s):
     """Exchange seconds a copy saves: the fall of the largest scale-out exchange (receive, or the
-    send floor) when `home`'s receive falls by drop_s and `dest`'s rises by rise_s. Zero unless the
-    home's receive is the largest (the first of equals). Broadcasts; dest None means every rank.
+    send floor) when `home`'s receive falls by drop_s and `dest`'s rises by rise_s. Broadcasts; dest
+    None means every rank.
 
-    Three plain reductions find the largest receives (the largest among ranks other than home and
-    dest is the second or the third when home holds the first): a sort (lax.top_k) in the loop
-    body doubled taot's planning latency on XLA:CPU."""
+    Only a copy off the rank with the largest receive (the first of equals) saves anything, and at
+    most down to the next largest receive or the send floor; it saves its drop, unless that lifts
+    dest's receive above the home's new one."""
     recv = clock.exchange_recv
     ranks = jnp.arange(recv.shape[0])
     first = first_argmax(recv)
-    without_first = jnp.where(ranks == first, -jnp.inf, recv)
-    second = first_argmax(without_first)
-    top2, top3 = without_first[second], jnp.where(ranks == second, -jnp.inf, without_first).max()
-    floor = clock.exchange_send.max()
-    before = jnp.maximum(recv[first], floor)
-    dest = ranks if dest is None else dest
-    others = jnp.maximum(jnp.where(dest == second, top3, top2), floor)
-    after = jnp.maximum(others, jnp.maximum(recv[home] - drop_s, recv[dest] + rise_s))
-    return jnp.where(home == first, jnp.maximum(before - after, 0.0), 0.0)
+    largest = recv[first]
+    next_largest = jnp.maximum(jnp.where(ranks == first, -jnp.inf, recv).max(), clock.exchange_send.max())
+    below = largest - recv  # [R] how far each rank's receive is below the largest
+    below_dest = below if dest is None else below[dest]
+    saving = jnp.clip(jnp.minimum(drop_s, below_dest - rise_s), 0.0, jnp.maximum(largest - next_largest, 0.0))
+    return jnp.where(home == first, saving, 0.0)
 
 
 def _exposed(send, recv, hide):

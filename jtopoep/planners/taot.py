@@ -40,7 +40,8 @@ from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, holds_he
                                      spill_candidates, spill_per_expert, uncovered_node_pairs)
 from jtopoep.planners.copies import copy_overshedding, finish_plan, start_copies
 from jtopoep.planners.loops import step_until_done
-from jtopoep.planners.pricing import copy_exposure, exchange_saving, node_link_class, scale_out_shift
+from jtopoep.planners.pricing import (copy_exposure, exchange_saving, home_node_share, node_link_class,
+                                      scale_out_shift)
 from jtopoep.planners.sinkhorn import sinkhorn
 
 
@@ -123,9 +124,9 @@ class TaotPlanner(PlannerBase):
             # A copy must save more GEMM time on the hot rank than the transfer time it exposes.
             exposure = copy_exposure(state.clock, home[:, None], None, link, moved * pair_fwd_s)
             # The exchange time a copy saves where its home's scale-out receive binds.
-            at_home = jnp.take_along_axis(crossing, home[:, None], axis=1)  # [C, 1]
-            everywhere = crossing.reshape(num_cand, -1, gpus)[:, :, 0].sum(1)[:, None]  # [C, 1]
-            drop, rise = scale_out_shift(moved, crossing, at_home, everywhere, same_node)
+            share = home_node_share(crossing.reshape(num_cand, -1, gpus)[:, :, 0], home // gpus)  # [C, N]
+            share = jnp.repeat(share, gpus, axis=1)  # [C, R]
+            drop, rise = scale_out_shift(moved, crossing, share, same_node)
             credit = exchange_saving(state.clock, home[:, None], None, drop * pair_xchg_s, rise * pair_xchg_s)
             feasible = ((amount > 0) & (state.used < slots)[None, :] & ~state.holds.T
                         & (moved * pair_s + credit >= exposure))
@@ -145,7 +146,7 @@ class TaotPlanner(PlannerBase):
             e, d = flat // num_ranks, flat % num_ranks
             ok = feasible[e, d]
             state, taken = copy_overshedding(state, e, d, amount[e, d], ok, cand, home, kept, link[e, d], pair_fwd_s,
-                                             (crossing[e, d], at_home[e, 0], everywhere[e, 0], same_node[e, d]),
+                                             (crossing[e, d], share[e, d], same_node[e, d]),
                                              pair_xchg_s)
             state = state._replace(step=jnp.where(ok, state.step + 1, num_ranks * slots))
             charged = jnp.where(ok, taken.astype(jnp.float32), 0.0)

@@ -45,7 +45,8 @@ from jtopoep.planners.common import (PlannerBase, carry_like, ceil_div, holds_he
                                      spill_candidates, spill_per_expert, uncovered_node_pairs)
 from jtopoep.planners.copies import copy_overshedding, finish_plan, start_copies
 from jtopoep.planners.loops import step_until_done
-from jtopoep.planners.pricing import copy_exposure, exchange_saving, node_link_class, scale_out_shift
+from jtopoep.planners.pricing import (copy_exposure, exchange_saving, home_node_share, node_link_class,
+                                      scale_out_shift)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +90,8 @@ class TopoEPPlanner(PlannerBase):
             # The exchange time the copy saves where its home's scale-out receive binds.
             col = crossing[:, e]  # [N]
             home_node = home // gpus
-            shift = (col[home_node], col.sum())
-            drop, rise = scale_out_shift(take, col[rank_node], *shift, rank_node == home_node)
+            share = home_node_share(col, home_node)  # [N]
+            drop, rise = scale_out_shift(take, col[rank_node], share[rank_node], rank_node == home_node)
             credit = exchange_saving(state.clock, home, None, drop * pair_xchg_s, rise * pair_xchg_s)
             qualifies = ((state.used < slots) & ~state.holds[:, e] & (state.room > 0)
                          & (take * pair_s + credit >= exposure))
@@ -126,7 +127,7 @@ class TopoEPPlanner(PlannerBase):
             node, ok = jnp.maximum(winner - 1, 0), winner > 0
             d = dest[node]
             state, amount = copy_overshedding(state, e, d, absorb[node], ok, cand, cand_home, kept, link_s[home, d],
-                                              pair_fwd_s, (col[node], *shift, node == home_node), pair_xchg_s)
+                                              pair_fwd_s, (col[node], share[node], node == home_node), pair_xchg_s)
             # A spilling expert that cannot be placed anywhere keeps its spill at home.
             state = state._replace(spill=jnp.where((expert_ids == e) & ~ok, 0, state.spill),
                                    step=jnp.where(need > 0, state.step + 1, num_ranks * slots))
