@@ -93,6 +93,8 @@ def test_planners_are_hashable_and_static():
     for knob in ("locality_weight", "weight_cost"):
         with pytest.raises(ValueError, match=f"{knob} = -1.0 must be >= 0"):
             get_planner("taot", topology=TOPO, num_experts=16, guest_slots=1, **{knob: -1.0})
+    with pytest.raises(ValueError, match="exchange_credit = -0.5 must be >= 0"):
+        get_planner("topoep", topology=TOPO, num_experts=16, guest_slots=1, exchange_credit=-0.5)
 
 
 def test_wrong_counts_shape():

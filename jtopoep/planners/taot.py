@@ -126,8 +126,10 @@ class TaotPlanner(PlannerBase):
             # The exchange time a copy saves where its home's scale-out receive binds.
             share = home_node_share(crossing.reshape(num_cand, -1, gpus)[:, :, 0], home // gpus)  # [C, N]
             share = jnp.repeat(share, gpus, axis=1)  # [C, R]
-            drop, rise = scale_out_shift(moved, crossing, share, same_node)
-            credit = exchange_saving(state.clock, home[:, None], None, drop * pair_xchg_s, rise * pair_xchg_s)
+            credit = 0.0
+            if pair_xchg_s:  # none to compute without an exchange credit
+                drop, rise = scale_out_shift(moved, crossing, share, same_node)
+                credit = exchange_saving(state.clock, home[:, None], None, drop * pair_xchg_s, rise * pair_xchg_s)
             feasible = ((amount > 0) & (state.used < slots)[None, :] & ~state.holds.T
                         & (moved * pair_s + credit >= exposure))
             if thr_inter or thr_intra:

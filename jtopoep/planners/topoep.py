@@ -87,12 +87,15 @@ class TopoEPPlanner(PlannerBase):
             # more GEMM time on the hot rank than the transfer time it exposes (and passes min-gain).
             take = jnp.minimum(need, state.room).astype(jnp.float32)  # [R]
             exposure = copy_exposure(state.clock, home, None, link_s[home], take * pair_fwd_s)
-            # The exchange time the copy saves where its home's scale-out receive binds.
+            # The exchange time the copy saves where its home's scale-out receive binds (none to
+            # compute without an exchange credit).
             col = crossing[:, e]  # [N]
             home_node = home // gpus
             share = home_node_share(col, home_node)  # [N]
-            drop, rise = scale_out_shift(take, col[rank_node], share[rank_node], rank_node == home_node)
-            credit = exchange_saving(state.clock, home, None, drop * pair_xchg_s, rise * pair_xchg_s)
+            credit = 0.0
+            if pair_xchg_s:
+                drop, rise = scale_out_shift(take, col[rank_node], share[rank_node], rank_node == home_node)
+                credit = exchange_saving(state.clock, home, None, drop * pair_xchg_s, rise * pair_xchg_s)
             qualifies = ((state.used < slots) & ~state.holds[:, e] & (state.room > 0)
                          & (take * pair_s + credit >= exposure))
             if thr_inter or thr_intra:
