@@ -30,9 +30,9 @@ class CopyState(NamedTuple):
     """The state of a copy-placement loop over C candidate experts (one copy per step).
 
     Per-rank integers live in one [R, 2 + 2K] array (room, slots used, K guest ids, K quotas) and the
-    transfer clock in one [3, R] array: each step then updates them with one kernel each, where
-    separate arrays cost a kernel apiece (XLA:GPU runs a loop body kernel by kernel, and so does
-    XLA:CPU unless jtopoep.xla_cpu lets it compile the whole loop as one)."""
+    transfer clock in one [4, R] array (and a constant scalar): each step then updates them with one
+    kernel each, where separate arrays cost a kernel apiece (XLA:GPU runs a loop body kernel by
+    kernel, and so does XLA:CPU unless jtopoep.xla_cpu lets it compile the whole loop as one)."""
     step: jnp.ndarray  # i32 scalar; set to the loop bound to stop early
     spill: jnp.ndarray  # [C] pairs each candidate still has to shed
     ranks: jnp.ndarray  # [R, 2 + 2K]: room (target - load), used, guests (expert id, -1 empty), quotas

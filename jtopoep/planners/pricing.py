@@ -35,20 +35,22 @@ class TransferClock(NamedTuple):
     The exchange rows track what the cost model charges for the token exchange where it binds: the
     scale-out receive of the ranks that host hot experts (pairs from other nodes). A copy on another
     rank takes pairs off its home's receive, which saves exchange time when that receive is the
-    largest (exchange_saving); the send side is kept as it starts, a floor under the saving. Planners
-    keep these rows in seconds times their exchange_credit, so what they save is credited at that share.
+    largest (exchange_saving); the largest send is kept as it starts, a floor under the saving.
+    Planners keep these in seconds times their exchange_credit, so what they save is credited at that
+    share.
 
-    One [5, R] array rather than five: a copy updates it with one kernel and reads a rank's column
+    One [4, R] array rather than four: a copy updates it with one kernel and reads a rank's column
     with one gather, in loops that make one copy per step."""
-    # [5, R] float32: weights sent, weights received, home-slot forward GEMM, scale-out exchange
-    # receive and send (all EXCHANGES_PER_LAYER exchanges)
+    # [4, R] float32: weights sent, weights received, home-slot forward GEMM, scale-out exchange
+    # receive (all EXCHANGES_PER_LAYER exchanges)
     seconds: jnp.ndarray
+    exchange_floor: jnp.ndarray  # float32 scalar: the largest scale-out exchange send
 
     @classmethod
     def start(cls, hide, exchange_recv, exchange_send):
         """Nothing sent or received yet; `hide` [R] seconds of home-slot forward GEMM, and each rank's
         scale-out exchange seconds received and sent with every pair at its home."""
-        return cls(jnp.stack([jnp.zeros_like(hide), jnp.zeros_like(hide), hide, exchange_recv, exchange_send]))
+        return cls(jnp.stack([jnp.zeros_like(hide), jnp.zeros_like(hide), hide, exchange_recv]), exchange_send.max())
 
     @property
     def send(self):
@@ -65,10 +67,6 @@ class TransferClock(NamedTuple):
     @property
     def exchange_recv(self):
         return self.seconds[3]
-
-    @property
-    def exchange_send(self):
-        return self.seconds[4]
 
 
 def transfer_costs(topology: Topology, dims: ExpertDims | None):
@@ -129,7 +127,7 @@ def exchange_saving(clock: TransferClock, home, dest, drop_s, rise_s):
     ranks = jnp.arange(recv.shape[0])
     first = first_argmax(recv)
     largest = recv[first]
-    next_largest = jnp.maximum(jnp.where(ranks == first, -jnp.inf, recv).max(), clock.exchange_send.max())
+    next_largest = jnp.maximum(jnp.where(ranks == first, -jnp.inf, recv).max(), clock.exchange_floor)
     below = largest - recv  # [R] how far each rank's receive is below the largest
     below_dest = below if dest is None else below[dest]
     saving = jnp.clip(jnp.minimum(drop_s, below_dest - rise_s), 0.0, jnp.maximum(largest - next_largest, 0.0))
@@ -149,7 +147,7 @@ def copy_exposure(clock: TransferClock, home, dest, link, moved_fwd_s):
     exposed rank, forward and backward, so a transfer costs only what it adds to those maxima.
     Broadcasts over candidate arrays; dest None prices a copy to every rank, [R]."""
     fwd_max, bwd_max = jnp.stack(_exposed(clock.send, clock.recv, clock.hide)).max(1)
-    at_home = clock.seconds[:, home]  # [5, ...] one gather
+    at_home = clock.seconds[:, home]  # [4, ...] one gather
     at_dest = clock.seconds if dest is None else clock.seconds[:, dest]
     home_fwd, home_bwd = _exposed(at_home[0] + link, at_home[1], at_home[2] - moved_fwd_s)
     dest_fwd, dest_bwd = _exposed(at_dest[0], at_dest[1] + link, at_dest[2])
@@ -161,10 +159,10 @@ def clock_after_copy(clock: TransferClock, home, dest, link, moved_fwd_s, ok, dr
     """The clock after `home` ships one expert to `dest` (link seconds), where ok; the home's slots
     lose moved_fwd_s of forward GEMM, its scale-out receive drop_s, and dest's receive gains rise_s."""
     ranks = jnp.arange(clock.seconds.shape[1])[None, :]
-    row = jnp.arange(5)[:, None]
+    row = jnp.arange(4)[:, None]
     at_home = ok & (ranks == home)
     at_dest = ok & (ranks == dest)
     delta = (jnp.where((row == 0) & at_home, link, 0.0) + jnp.where((row == 1) & at_dest, link, 0.0)
              - jnp.where((row == 2) & at_home, moved_fwd_s, 0.0)
              - jnp.where((row == 3) & at_home, drop_s, 0.0) + jnp.where((row == 3) & at_dest, rise_s, 0.0))
-    return TransferClock(clock.seconds + delta)
+    return clock._replace(seconds=clock.seconds + delta)
