@@ -42,7 +42,7 @@ class PlannerBase:
     # largest scale-out receive, tracked as copies are made) that counts toward paying for its
     # weight transfer; 0 counts only the GEMM time saved. From benchmarks.cluster (K = 1, 2, 4;
     # inter-node bandwidth x0.5, 1, 2; four models): a quarter was at or above no credit in every
-    # setting for both topoep and taot, and lifted Qwen1.5-MoE at half bandwidth from 41% to 80% of
+    # setting for both topoep and taot, and lifted Qwen1.5-MoE at half bandwidth from 41% to 79% of
     # ideal's gain (topoep); the whole saving lost up to 1.2 points on DeepSeek-V3 at half bandwidth,
     # where the tracked receives (an estimate of locality-tiered routing) are off by a few percent
     # and many ranks are within that of the largest. Needs dims and price_transfers.

@@ -15,10 +15,10 @@
    pairs l's node feeds itself (they stop crossing), lowered by what shipping the copy costs over
    its link, the cheaper link on ties; the best move is made and charged against F[h, l] and X.
    a = locality_weight and b = weight_cost trade balance for weighted communication cost. Copies
-   that fail the min-gain test for their link class, or
-   expose more weight-transfer time than the GEMM time they save plus exchange_credit x the exchange
-   time (the same pricing.TransferClock rule as topoep), are never matched. A move into its rank's last free slot may take more than
-   the expert's spill, as in topoep (copies.copy_overshedding), when free slots are scarcer than
+   that fail the min-gain test for their link class, or expose more weight-transfer time than the
+   GEMM time they save plus exchange_credit x the exchange time (the same pricing.TransferClock rule
+   as topoep), are never matched. A move into its rank's last free slot may take more than the
+   expert's spill, as in topoep (copies.copy_overshedding), when free slots are scarcer than
    spilling experts;
 4. home slots keep what their copies do not take; token routing is the locality-tiered routing
    shared with topoep (planners.routing.plan_from_quotas).
@@ -123,11 +123,12 @@ class TaotPlanner(PlannerBase):
             moved = amount.astype(jnp.float32)
             # A copy must save more GEMM time on the hot rank than the transfer time it exposes.
             exposure = copy_exposure(state.clock, home[:, None], None, link, moved * pair_fwd_s)
-            # The exchange time a copy saves where its home's scale-out receive binds.
-            share = home_node_share(crossing.reshape(num_cand, -1, gpus)[:, :, 0], home // gpus)  # [C, N]
-            share = jnp.repeat(share, gpus, axis=1)  # [C, R]
-            credit = 0.0
-            if pair_xchg_s:  # none to compute without an exchange credit
+            # The exchange time a copy saves where its home's scale-out receive binds (none to
+            # compute without an exchange credit).
+            credit, share = 0.0, jnp.zeros_like(crossing)
+            if pair_xchg_s:
+                share = home_node_share(crossing.reshape(num_cand, -1, gpus)[:, :, 0], home // gpus)  # [C, N]
+                share = jnp.repeat(share, gpus, axis=1)  # [C, R]
                 drop, rise = scale_out_shift(moved, crossing, share, same_node)
                 credit = exchange_saving(state.clock, home[:, None], None, drop * pair_xchg_s, rise * pair_xchg_s)
             feasible = ((amount > 0) & (state.used < slots)[None, :] & ~state.holds.T
@@ -148,8 +149,7 @@ class TaotPlanner(PlannerBase):
             e, d = flat // num_ranks, flat % num_ranks
             ok = feasible[e, d]
             state, taken = copy_overshedding(state, e, d, amount[e, d], ok, cand, home, kept, link[e, d], pair_fwd_s,
-                                             (crossing[e, d], share[e, d], same_node[e, d]),
-                                             pair_xchg_s)
+                                             (crossing[e, d], share[e, d], same_node[e, d]), pair_xchg_s)
             state = state._replace(step=jnp.where(ok, state.step + 1, num_ranks * slots))
             charged = jnp.where(ok, taken.astype(jnp.float32), 0.0)
             hint = hint - jnp.where((home[:, None] == home[e]) & (rank_ids[None, :] == d), charged, 0.0)

@@ -91,9 +91,9 @@ class TopoEPPlanner(PlannerBase):
             # compute without an exchange credit).
             col = crossing[:, e]  # [N]
             home_node = home // gpus
-            share = home_node_share(col, home_node)  # [N]
-            credit = 0.0
+            credit, share = 0.0, jnp.zeros_like(col)
             if pair_xchg_s:
+                share = home_node_share(col, home_node)  # [N]
                 drop, rise = scale_out_shift(take, col[rank_node], share[rank_node], rank_node == home_node)
                 credit = exchange_saving(state.clock, home, None, drop * pair_xchg_s, rise * pair_xchg_s)
             qualifies = ((state.used < slots) & ~state.holds[:, e] & (state.room > 0)
