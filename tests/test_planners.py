@@ -251,6 +251,21 @@ def test_exchange_saving_is_the_fall_of_the_largest_scale_out_receive():
     np.testing.assert_allclose(both, [[0.0, 1.0, 2.0, 2.0], [0.0] * 4])
 
 
+def test_scale_out_shift_follows_locality_tiered_routing():
+    """Expert homed on node 0 with 10, 20, 30, 40 uncovered pairs from nodes 0-3. A copy on node 1
+    taking 50 pairs takes node 1's 20 first (they stop crossing to the home), then 30 from nodes 0,
+    2 and 3 in proportion (10 : 30 : 40): all 30 cross to the copy, and all but node 0's eighth
+    crossed to the home. On the home's node, the copy's pairs from other nodes simply move."""
+    from jtopoep.planners.pricing import home_node_share, scale_out_shift
+
+    share = home_node_share(jnp.asarray([10.0, 20.0, 30.0, 40.0]), 0)
+    np.testing.assert_allclose(share, [0.0, 10 / 80, 10 / 70, 10 / 60], rtol=1e-6)
+    drop, rise = scale_out_shift(50.0, 20.0, share[1], False)
+    np.testing.assert_allclose([drop, rise], [20 + 30 * 7 / 8, 30], rtol=1e-6)
+    drop, rise = scale_out_shift(50.0, 10.0, share[0], True)
+    np.testing.assert_allclose([drop, rise], [40, 40], rtol=1e-6)
+
+
 def test_tracked_scale_out_exchange_starts_as_the_cost_model_prices_the_home_plan():
     from jtopoep.costmodel import EXCHANGES_PER_LAYER, link_class
     from jtopoep.plan import home_plan
