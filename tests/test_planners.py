@@ -274,7 +274,7 @@ def test_tracked_scale_out_exchange_starts_as_the_cost_model_prices_the_home_pla
     counts = adversarial("random", 2 * R, 50, 3)
     placement = np.arange(2 * R).reshape(R, 2)
     per_pair = EXCHANGES_PER_LAYER * DIMS.pair_bytes / TOPO.inter_bw
-    recv, send = home_exchange_seconds(jnp.asarray(counts), jnp.asarray(placement), TOPO.gpus_per_node, per_pair)
+    recv, send = home_exchange_seconds(jnp.asarray(counts), jnp.asarray(placement), TOPO, per_pair)
     pairs = np.asarray(home_plan(jnp.asarray(counts), jnp.asarray(placement), 0).route).sum(2)
     across = np.where(link_class(TOPO) == 2, pairs, 0)
     np.testing.assert_allclose(recv, across.sum(0) * per_pair, rtol=1e-6)

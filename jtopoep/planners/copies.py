@@ -11,6 +11,7 @@ from jtopoep.planners.common import PlannerBase, carry_like, guest_quotas_to_slo
 from jtopoep.planners.pricing import TransferClock, clock_after_copy, home_exchange_seconds, scale_out_shift
 from jtopoep.planners.routing import plan_from_quotas
 from jtopoep.planners.swaps import locality_swaps
+from jtopoep.topology import Topology
 
 
 # Guest slots per rank that copy_overshedding counts. Beyond two, a rank's further copies seldom pay
@@ -61,7 +62,7 @@ class CopyState(NamedTuple):
 
 
 def start_copies(counts, placement, cand, spill, target, slots: int, pair_fwd_s: float, pair_xchg_s: float,
-                 gpus_per_node: int) -> CopyState:
+                 topology: Topology) -> CopyState:
     num_ranks, num_experts = counts.shape
     rank_loads = counts.sum(0)[placement].sum(1)
     ranks = jnp.concatenate([(target - rank_loads)[:, None], jnp.zeros((num_ranks, 1), jnp.int32),
@@ -69,7 +70,7 @@ def start_copies(counts, placement, cand, spill, target, slots: int, pair_fwd_s:
                             axis=1).astype(jnp.int32)
     state = CopyState(jnp.int32(0), spill[cand], ranks, holds_home(home_rank_of_experts(placement)[cand], num_ranks),
                       TransferClock.start(rank_loads.astype(jnp.float32) * pair_fwd_s,
-                                          *home_exchange_seconds(counts, placement, gpus_per_node, pair_xchg_s)))
+                                          *home_exchange_seconds(counts, placement, topology, pair_xchg_s)))
     return carry_like(state, counts)
 
 

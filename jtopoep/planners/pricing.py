@@ -83,19 +83,18 @@ def transfer_costs(topology: Topology, dims: ExpertDims | None):
             EXCHANGES_PER_LAYER * dims.pair_bytes / topology.inter_bw)
 
 
-def home_exchange_seconds(counts, placement, gpus_per_node: int, pair_xchg_s: float):
+def home_exchange_seconds(counts, placement, topology: Topology, pair_xchg_s: float):
     """([R] scale-out exchange seconds each rank receives, [R] it sends) with every pair at its home."""
-    num_ranks = counts.shape[0]
     to_home = counts[:, placement].sum(-1)  # [R(source), R(home)], integers: exact sums in any order
-    node = jnp.arange(num_ranks) // gpus_per_node
-    across = jnp.where(node[:, None] != node[None, :], to_home, 0)
+    across = jnp.where(node_link_class(topology), to_home, 0)
     return across.sum(0).astype(jnp.float32) * pair_xchg_s, across.sum(1).astype(jnp.float32) * pair_xchg_s
 
 
 def home_node_share(crossing_nodes, home_node):
     """[..., N] the share of the home node's uncovered pairs among those of the nodes other than n,
     for each node n of a copy (0 on the home node itself: its copies draw from other nodes only).
-    crossing_nodes [..., N] an expert's uncovered pairs from each node, home_node [...] or scalar."""
+    crossing_nodes [..., N] an expert's uncovered pairs from each node, home_node [...] or scalar.
+    The pairs are whole numbers below 2^24, so their float32 sum is exact in any order."""
     nodes = jnp.arange(crossing_nodes.shape[-1])
     home_node = jnp.asarray(home_node)[..., None]
     at_home = jnp.take_along_axis(crossing_nodes, home_node, axis=-1)  # [..., 1]
@@ -155,7 +154,7 @@ def copy_exposure(clock: TransferClock, home, dest, link, moved_fwd_s):
             + jnp.maximum(jnp.maximum(home_bwd, dest_bwd) - bwd_max, 0.0))
 
 
-def clock_after_copy(clock: TransferClock, home, dest, link, moved_fwd_s, ok, drop_s=0.0, rise_s=0.0) -> TransferClock:
+def clock_after_copy(clock: TransferClock, home, dest, link, moved_fwd_s, ok, drop_s, rise_s) -> TransferClock:
     """The clock after `home` ships one expert to `dest` (link seconds), where ok; the home's slots
     lose moved_fwd_s of forward GEMM, its scale-out receive drop_s, and dest's receive gains rise_s."""
     ranks = jnp.arange(clock.seconds.shape[1])[None, :]

@@ -157,7 +157,7 @@ class TaotPlanner(PlannerBase):
             crossing = jnp.maximum(crossing - jnp.where(served, charged, 0.0), 0.0)
             return state, hint, crossing
 
-        state = start_copies(counts, placement, cand, spill0, target, slots, pair_fwd_s, pair_xchg_s, gpus)
+        state = start_copies(counts, placement, cand, spill0, target, slots, pair_fwd_s, pair_xchg_s, self.topology)
         # One copy per step, until no feasible move is left (a test every device evaluates alike).
         hint = self.flow_hint(counts, placement).plan[home]  # [C, R]
         state, _, _ = step_until_done(step, (state, carry_like(hint, counts), carry_like(crossing0[rank_node].T, counts)),

@@ -138,7 +138,7 @@ class TopoEPPlanner(PlannerBase):
             crossing = jnp.maximum(crossing - jnp.where(served, amount.astype(jnp.float32), 0.0), 0.0)
             return state, crossing
 
-        state = start_copies(counts, placement, cand, spill0, target, slots, pair_fwd_s, pair_xchg_s, gpus)
+        state = start_copies(counts, placement, cand, spill0, target, slots, pair_fwd_s, pair_xchg_s, self.topology)
         # At most one copy per step and R * K slots; the loop also ends once no spill is left. The
         # exit test reads only values every device holds identically, so all stop at the same step.
         state, _ = step_until_done(step, (state, carry_like(crossing0, counts)), lambda c: c[0].step,
