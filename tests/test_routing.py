@@ -7,7 +7,7 @@ import pytest
 
 from jtopoep.plan import check_plan
 from jtopoep.planners.common import spill_per_expert
-from jtopoep.planners.routing import plan_from_quotas
+from jtopoep.planners.routing import BALANCE_ROUNDS, plan_from_quotas, water_fill
 
 RANKS, EXPERTS, GUESTS, GPUS = 8, 16, 2, 4  # two nodes of four ranks
 
@@ -45,39 +45,108 @@ def fill(supply, capacity, route, sources, copies):
             route[s][c] += moved
 
 
+def reference_water_fill(height, room, total):
+    """routing.water_fill for one group of members, in scalar float32 and Python integers."""
+    f32 = np.float32
+    def filled(level):
+        return sum(min(max(h - level, 0), r) for h, r in zip(height, room))
+    breaks = list(height) + [h - r for h, r in zip(height, room)]
+    lo = max(b for b in breaks if filled(b) >= total)
+    above = [b for b in breaks if filled(b) < total]
+    level = f32(lo)
+    if above:
+        hi = min(above)
+        step = f32(hi - lo) / f32(max(filled(lo) - filled(hi), 1))
+        level = f32(lo) + f32(filled(lo) - total) * step
+    amount = [int(np.floor(min(max(f32(h) - level, f32(0)), f32(r)))) for h, r in zip(height, room)]
+    return reference_top_up(amount, room, total)
+
+
+def reference_top_up(amount, room, total):
+    amount = list(amount)
+    short = total - sum(amount)
+    for i in range(len(amount)):
+        if short > 0 and amount[i] < room[i]:
+            amount[i] += 1
+            short -= 1
+    return amount
+
+
+def reference_node_shares(counts, slot_expert, quota, rounds):
+    """routing.node_shares with loops: ({(d, j): pairs the copy takes from its node},
+    {(s, e): pairs the source gives to its node's copies of e}) for experts with guests."""
+    home = EXPERTS // RANKS
+    node = np.arange(RANKS) // GPUS
+    loads = counts.sum(0)
+    moved = sorted({int(e) for e in slot_expert[:, home:].reshape(-1) if e >= 0})
+    home_node = {int(slot_expert[d, j]): node[d] for d in range(RANKS) for j in range(home)}
+    members = {(n, e): list(range(n * GPUS, (n + 1) * GPUS)) for n in range(RANKS // GPUS) for e in moved}
+    copy_on = {(d, e): j for d in range(RANKS) for j, e in enumerate(slot_expert[d]) if e in moved}
+    room = {(d, e): int(quota[d, copy_on[(d, e)]]) if (d, e) in copy_on else 0 for d in range(RANKS) for e in moved}
+    supply = {(s, e): int(counts[s, e]) for s in range(RANKS) for e in moved}
+    kept = {g: min(sum(supply[(s, g[1])] for s in ranks), sum(room[(d, g[1])] for d in ranks))
+            for g, ranks in members.items()}
+    fixed_receive = [sum(int(loads[e] - counts[node == node[d], e].sum()) for e in slot_expert[d, :home]
+                         if e not in moved) for d in range(RANKS)]
+    fixed_send = [sum(int(counts[s, e]) for e in range(EXPERTS) if e not in moved and home_node[e] != node[s])
+                  for s in range(RANKS)]
+
+    def proportional(weight):
+        out = {}
+        for (n, e), ranks in members.items():
+            whole = np.float32(max(sum(weight[(r, e)] for r in ranks), 1))
+            share = [int(np.floor(np.float32(kept[(n, e)]) * np.float32(weight[(r, e)]) / whole)) for r in ranks]
+            out.update(zip([(r, e) for r in ranks], reference_top_up(share, [weight[(r, e)] for r in ranks],
+                                                                      kept[(n, e)])))
+        return out
+
+    take, give = proportional(room), proportional(supply)
+    for _ in range(rounds):
+        receive = [fixed_receive[d] + sum(room[(d, e)] - take[(d, e)] for e in moved) for d in range(RANKS)]
+        send = [fixed_send[s] + sum(supply[(s, e)] - give[(s, e)] for e in moved) for s in range(RANKS)]
+        new_take, new_give = {}, {}
+        for (n, e), ranks in members.items():
+            keys = [(r, e) for r in ranks]
+            amounts = reference_water_fill([receive[r] + take[k] for r, k in zip(ranks, keys)],
+                                           [room[k] for k in keys], kept[(n, e)])
+            new_take.update(zip(keys, amounts))
+            filled = reference_water_fill([send[r] + give[k] for r, k in zip(ranks, keys)],
+                                          [supply[k] for k in keys], kept[(n, e)])
+            halfway = [(give[k] + f) // 2 for k, f in zip(keys, filled)]
+            new_give.update(zip(keys, reference_top_up(halfway, [supply[k] for k in keys], kept[(n, e)])))
+        take, give = new_take, new_give
+    return {(d, j): take[(d, e)] for (d, e), j in copy_on.items()}, give
+
+
 def reference_route(counts, slot_expert, quota, tiered):
     """[s, d, j] pairs, one expert at a time, with explicit loops."""
     route = np.zeros((RANKS,) + slot_expert.shape, np.int64)
     node = np.arange(RANKS) // GPUS
+    if tiered:
+        take, give = reference_node_shares(counts, slot_expert, quota, BALANCE_ROUNDS)
     for e in range(EXPERTS):
         copies = [tuple(x) for x in np.argwhere(slot_expert == e)]  # (d, j) in rank order
         supply = {s: int(counts[s, e]) for s in range(RANKS)}
         capacity = {c: int(quota[c]) for c in copies}
         flows = {s: {c: 0 for c in copies} for s in range(RANKS)}
-        if tiered:
-            for s in range(RANKS):  # own rank
-                fill(supply, capacity, flows, [s], [c for c in copies if c[0] == s])
-            for n in range(RANKS // GPUS):  # own node
+        if tiered and len(copies) > 1:
+            for n in range(RANKS // GPUS):  # own node: the shares node_shares chose
                 sources = [s for s in range(RANKS) if node[s] == n]
                 here = [c for c in copies if node[c[0]] == n]
-                total = sum(capacity[c] for c in here)
-                node_supply = sum(supply[s] for s in sources)
-                kept = np.float32(min(node_supply, total))
-                # Copies take shares of what the node keeps in proportion to their capacity...
-                share = {c: min(capacity[c], int(np.floor(kept * np.float32(capacity[c]) / np.float32(max(total, 1)))))
-                         for c in here}
-                copy_end = dict(zip(here, np.cumsum([share[c] for c in here])))
-                # ...and sources give them in proportion to their supply: source s gives the stretch
-                # [floor(scale x supply before s), floor(scale x supply up to s)) of the line, at
-                # most its supply, and each copy takes what lies in its own stretch.
-                scale = np.float32(sum(share.values())) / np.float32(max(node_supply, 1))
-                before = 0
-                for s in sources:
-                    lo = int(np.floor(scale * np.float32(before)))
-                    hi = min(int(np.floor(scale * np.float32(before + supply[s]))), lo + supply[s])
-                    before += supply[s]
+                rest_take = {c: take[c] for c in here}
+                rest_give = {s: give[(s, e)] for s in sources}
+                for c in here:  # a copy takes its own rank's pairs first
+                    own = min(rest_take[c], rest_give[c[0]])
+                    rest_take[c] -= own
+                    rest_give[c[0]] -= own
+                    flows[c[0]][c] += own
+                    supply[c[0]] -= own
+                    capacity[c] -= own
+                for s in sources:  # then sources in rank order fill copies in rank order
                     for c in here:
-                        moved = max(min(hi, copy_end[c]) - max(lo, copy_end[c] - share[c]), 0)
+                        moved = min(rest_give[s], rest_take[c])
+                        rest_give[s] -= moved
+                        rest_take[c] -= moved
                         flows[s][c] += moved
                         supply[s] -= moved
                         capacity[c] -= moved
@@ -117,10 +186,13 @@ def test_tiered_routing_feeds_copies_from_their_own_node_first():
     assert crossing(route) <= crossing(oblivious)
 
 
-def test_a_node_feeds_its_copy_from_every_source_in_proportion():
+def test_a_node_keeps_most_from_the_sources_that_would_send_most_across():
     # Expert 0 lives on rank 0 (node 0); node 1's sources hold all its pairs, 0, 20, 30 and 50 on
-    # ranks 4-7, and its one copy, on rank 4, takes half of them. Each source keeps half of its own
-    # pairs on the node and sends half across; in rank order rank 7 would send all 50 across.
+    # ranks 4-7, and its one copy, on rank 4, takes half of them. Each source sends across nodes
+    # what it does not give the copy. Given in proportion, (0, 10, 15, 25), rank 7 would send 25
+    # across; the level every source sends the same is 16.7, at gives (0, 3.3, 13.3, 33.3). Two
+    # rounds of moving halfway there from the proportion (topped up to the 50 the node keeps):
+    # (0, 7, 14, 29), then (0, 6, 13, 31). The largest send across nodes falls from 25 to 19.
     counts = np.zeros((RANKS, EXPERTS), np.int32)
     counts[4:, 0] = (0, 20, 30, 50)
     placement = np.arange(EXPERTS).reshape(RANKS, -1)
@@ -129,10 +201,33 @@ def test_a_node_feeds_its_copy_from_every_source_in_proportion():
     slot_expert = np.concatenate([placement, guests], axis=1).astype(np.int32)
     quota = np.where(slot_expert == 0, 50, 0).astype(np.int32)
     home = placement.shape[1]
+    assert BALANCE_ROUNDS == 2
     for xp in (np, jnp):
         route = np.asarray(plan_from_quotas(counts, slot_expert, quota, GPUS, True, xp).route)
-        np.testing.assert_array_equal(route[4:, 4, home], (0, 10, 15, 25))
-        np.testing.assert_array_equal(route[4:, 0, 0], (0, 10, 15, 25))
+        np.testing.assert_array_equal(route[4:, 4, home], (0, 6, 13, 31))
+        np.testing.assert_array_equal(route[4:, 0, 0], (0, 14, 17, 19))
+
+
+def test_water_fill_levels_what_the_members_are_left_with():
+    # Along axis 1, three members; each column of the last axis is its own group.
+    height = np.array([[[10, 9, 9, 7], [4, 9, 9, 7], [0, 0, 0, 7]]])
+    room = np.array([[[5, 10, 10, 3], [5, 10, 10, 3], [5, 10, 10, 3]]])
+    total = np.array([[8, 5, 0, 9]])
+    # 8 from (10, 4, 0): level 1, amounts (5, 3, 0), capped by the first member's room of 5.
+    # 5 from (9, 9, 0): level 6.5, amounts (2.5, 2.5, 0), floored and topped up in member order.
+    # Nothing to share; and everything, which fills every room.
+    want = np.array([[[5, 3, 0, 3], [3, 2, 0, 3], [0, 0, 0, 3]]])
+    for xp in (np, jnp):
+        np.testing.assert_array_equal(np.asarray(water_fill(xp.asarray(height), xp.asarray(room), xp.asarray(total), xp)), want)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        g = int(rng.integers(1, 6))
+        height = rng.integers(0, 100, g)
+        room = rng.integers(0, 40, g) * (rng.random(g) < 0.8)
+        total = int(rng.integers(0, room.sum() + 1))
+        got = water_fill(height[None, :, None], room[None, :, None], np.array([[total]]), np)[0, :, 0]
+        assert got.sum() == total and (got >= 0).all() and (got <= room).all()
+        assert list(got) == reference_water_fill(list(height), list(room), total)
 
 
 def test_spill_matches_sorted_definition():
@@ -153,11 +248,11 @@ def test_spill_matches_sorted_definition():
         np.testing.assert_array_equal(spill_per_expert(loads, placement, target, np), want)
 
 
-def test_node_pairs_are_shared_in_proportion_to_capacity():
+def test_node_pairs_go_to_the_copy_that_would_receive_most_across_nodes():
     """Expert 0 lives on rank 0 and has a guest copy on rank 1, same node; ranks 2 and 3 (that node)
-    send 15 pairs each, ranks 4-7 (the other node) 15 each. The home slot takes 60 and the guest 30:
-    the node's 30 pairs split 20 / 10, so each copy takes two thirds of its pairs across nodes. In
-    rank order the home would take all 30 and leave the guest nothing but remote pairs."""
+    send 15 pairs each, ranks 4-7 (the other node) 15 each. The home slot takes 60 and the guest 30.
+    In proportion to their quotas the node's 30 pairs would split 20 / 10, and rank 0 would receive
+    40 across nodes to rank 1's 20; given all 30, rank 0 receives 30 across, as rank 1 does."""
     counts = np.zeros((RANKS, EXPERTS), np.int32)
     counts[2:, 0] = 15
     slot_expert = np.concatenate([np.arange(EXPERTS).reshape(RANKS, -1), np.full((RANKS, GUESTS), -1)], axis=1)
@@ -166,5 +261,5 @@ def test_node_pairs_are_shared_in_proportion_to_capacity():
     quota[0, 0], quota[1, 2] = 60, 30
     for route in (plan_from_quotas(counts, slot_expert, quota, GPUS, True, np).route,
                   np.asarray(jax.jit(lambda c, s, q: plan_from_quotas(c, s, q, GPUS, True).route)(counts, slot_expert, quota))):
-        assert route[2:4, 0, 0].sum() == 20 and route[2:4, 1, 2].sum() == 10
-        assert route[4:, 0, 0].sum() == 40 and route[4:, 1, 2].sum() == 20
+        assert route[2:4, 0, 0].sum() == 30 and route[2:4, 1, 2].sum() == 0
+        assert route[4:, 0, 0].sum() == 30 and route[4:, 1, 2].sum() == 30

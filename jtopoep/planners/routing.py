@@ -1,4 +1,7 @@
-"""Locality-tiered token routing: which source sends how many pairs of each expert to each copy."""
+"""Locality-tiered token routing: which source sends how many pairs of each expert to each copy.
+
+Each node keeps what it can of an expert's pairs on its own copies, and shares them out so as to
+level the ranks' traffic across nodes (node_shares); the rest crosses nodes."""
 
 from __future__ import annotations
 
@@ -22,15 +25,118 @@ def _nonnegative_div(a, b: int, xp):
     return a // b if xp is np else jax.lax.div(a, jnp.asarray(b, a.dtype))
 
 
+# Rounds of node_shares' relaxation. On four sampled layers of each model preset, one round took
+# the scale-out exchange most of the way to a linear program's optimum for the same slots and
+# quotas, and two all of it but 0.3% on DeepSeek-V3 (benchmarks/what_if.py, routing bound).
+BALANCE_ROUNDS = 2
+
+
+def water_fill(height, room, total, xp=jnp):
+    """Integer amounts along axis 1 of [N, G, X] arrays that share `total` ([N, X]) so that what
+    each member is left with, height - amount, is as level as the rooms allow:
+    floor(clip(height - level, 0, room)), with the level at which the unfloored amounts sum to
+    total (total <= the rooms' sum), then topped up to total exactly (top_up).
+
+    The fill as a function of the level is piecewise linear, with breaks at each member's height
+    and height - room. It is evaluated at all 2G breaks (whole numbers below 2**24 summed, so exact
+    in any order), and the level is interpolated between the two breaks around total by
+    elementwise float32 arithmetic: the same on every device, and no sort or search loop."""
+    height = height.astype(xp.float32)
+    room = room.astype(xp.float32)
+    total = total.astype(xp.float32)[:, None, :]
+    breaks = xp.concatenate([height, height - room], axis=1)  # [N, 2G, X]
+    fill = xp.clip(height[:, None] - breaks[:, :, None], 0, room[:, None]).sum(2)  # [N, 2G, X]
+    reached = fill >= total
+    far = xp.float32(2.0 ** 30)
+    lo = xp.where(reached, breaks, -far).max(1, keepdims=True)  # the highest level that still fills total
+    hi = xp.where(reached, far, breaks).min(1, keepdims=True)  # the lowest that does not
+    fill_lo = xp.where(reached & (breaks == lo), fill, 0).max(1, keepdims=True)
+    fill_hi = xp.where(~reached & (breaks == hi), fill, 0).max(1, keepdims=True)
+    # total = 0 leaves nothing unreached: hi stays far, and the level is lo, the highest height.
+    step = xp.where(hi < far, (hi - lo) / xp.maximum(fill_lo - fill_hi, 1), 0)
+    level = lo + (fill_lo - total) * step
+    amount = xp.floor(xp.clip(height - level, 0, room)).astype(xp.int32)
+    return top_up(amount, room.astype(xp.int32), total[:, 0].astype(xp.int32), xp)
+
+
+def top_up(amount, room, total, xp=jnp):
+    """amount [N, G, X] plus one for each of the first members along axis 1 with room left, as many
+    as it falls short of total [N, X]. Callers round amounts down from shares of total, which leaves
+    fewer short than members with room left; topped up, the node's sources and copies agree on how
+    many pairs it keeps, and none of them crosses nodes for want of rounding."""
+    short = total - amount.sum(1)
+    has_room = amount < room
+    order = prefix_sum(has_room.astype(xp.int32), 1, xp)
+    return amount + (has_room & (order <= short[:, None])).astype(xp.int32)
+
+
+def node_shares(counts, slot_expert, supply, room, real, compact_expert, home_rank, gpus_per_node: int,
+                xp=jnp):
+    """([R, X] pairs each copy takes from its own node, [R, X] pairs each source gives to its own
+    node's copies), for X experts with copies by compact id: the node keeps min(its supply, its
+    copies' room) of each, and these choose who takes and who gives them.
+
+    The exchange waits for the rank that receives the most pairs across nodes, and for the one
+    that sends the most. A rank receives across nodes what its slots take beyond their own node's
+    pairs, so the pairs a node keeps of an expert go to its copies whose ranks would otherwise
+    receive the most (water_fill on each rank's cross-node receive), and likewise come from the
+    sources that would otherwise send the most. Ranks hold slots of several experts, so this is a
+    relaxation: start from shares in proportion to room and supply, then BALANCE_ROUNDS times
+    water-fill every expert's node shares against the ranks' totals of the round before. The gives
+    move halfway each round: a source gives to every expert with a copy on its node, so moving all
+    the way overshoots (it oscillated on Mixtral's layers). Integer throughout, so the same on
+    every device.
+
+    supply [R, X]: counts of each compact expert; room [R, X]: each rank's quota of it (0 where it
+    holds no copy); real [X]: the compact ids of experts with guest copies (where ids are guest
+    slots, an expert's later guests repeat its first); home_rank [E]."""
+    num_ranks, num_experts = counts.shape
+    num_ids = room.shape[1]
+    nodes = num_ranks // gpus_per_node
+    supply = xp.where(real[None, :], supply, 0)
+    room = xp.where(real[None, :], room, 0)
+    by_node = lambda t: t.reshape(nodes, gpus_per_node, num_ids)  # noqa: E731
+    kept = xp.minimum(by_node(supply).sum(1), by_node(room).sum(1))  # [N, X]
+    # Cross-node receive and send of the experts without copies: all their pairs go home.
+    if xp is np:
+        moved = np.zeros(num_experts, bool)
+        moved[compact_expert[real]] = True
+    else:
+        index = jnp.where(real, compact_expert, num_experts + jnp.arange(num_ids))
+        moved = jnp.zeros(num_experts, bool).at[index].set(True, mode="drop", unique_indices=True)
+    rank_node = xp.arange(num_ranks) // gpus_per_node
+    node_counts = counts.reshape(nodes, gpus_per_node, num_experts).sum(1)  # [N, E]
+    home = slot_expert[:, :num_experts // num_ranks]  # [R, H]
+    arriving = counts.sum(0)[home] - node_counts[rank_node[:, None], home]
+    fixed_receive = xp.where(moved[home], 0, arriving).sum(1)
+    leaving = ~moved[None, :] & ((home_rank // gpus_per_node)[None, :] != rank_node[:, None])
+    fixed_send = xp.where(leaving, counts, 0).sum(1)
+
+    def proportional(weight):
+        whole = xp.maximum(by_node(weight).sum(1, keepdims=True), 1).astype(xp.float32)
+        share = xp.floor(kept[:, None].astype(xp.float32) * by_node(weight).astype(xp.float32) / whole)
+        return top_up(share.astype(xp.int32), by_node(weight), kept, xp).reshape(num_ranks, num_ids)
+
+    take, give = proportional(room), proportional(supply)
+    for _ in range(BALANCE_ROUNDS):
+        receive = fixed_receive + (room - take).sum(1)  # [R] pairs each rank receives across nodes
+        send = fixed_send + (supply - give).sum(1)
+        take = water_fill(by_node(receive[:, None] + take), by_node(room), kept, xp).reshape(num_ranks, num_ids)
+        filled = water_fill(by_node(send[:, None] + give), by_node(supply), kept, xp).reshape(num_ranks, num_ids)
+        # An odd sum rounds down with room left, so the top-up restores the total.
+        give = top_up(by_node((give + filled) // 2), by_node(supply), kept, xp).reshape(num_ranks, num_ids)
+    return take, give
+
+
 def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: bool, xp=jnp, experts=None) -> Plan:
     """The plan for given slot contents and per-slot quotas: every slot takes exactly its quota.
 
     Greedy transport by interval overlap, per expert: lay its sources (rank order) and its copies
     (rank order) end to end on one line each, by prefix sums, and send along the overlap of their
-    intervals. With tiered=True a source first fills the copy on its own rank, then copies on its
-    own node (the pairs a node keeps are shared among its copies in proportion to their capacity
-    and taken from its sources in proportion to their supply), then anywhere, each tier on what
-    the previous left; tiered=False is the topology-oblivious split.
+    intervals. With tiered=True each node first keeps as many of an expert's pairs as its copies
+    there can take (its own rank's pairs first), shared out among those copies and its sources by
+    node_shares so that no rank is left to send or receive far more across nodes than the others;
+    then the rest goes anywhere. tiered=False is the topology-oblivious split.
 
     Only experts with guest copies need this; every other expert sends all its pairs to its home
     slot. The transport runs on the m = 2 * R * K slots that can hold such copies (the guest slots,
@@ -63,11 +169,13 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
         same = (guest[:, None] == guest[None, :]) & (guest >= 0)[:, None]
         compact_of_guest = first_argmax(same, axis=1, xp=xp).astype(xp.int32)
         listed_home = (guest >= 0) & (compact_of_guest == xp.arange(guest.shape[0]))
+        has_guests = listed_home
     else:
         compact_expert = experts.astype(xp.int32)  # [C]
         hit = guest[:, None] == compact_expert[None, :]
         compact_of_guest = ((hit * xp.arange(1, compact_expert.shape[0] + 1, dtype=xp.int32)).sum(1) - 1)
         listed_home = xp.ones(compact_expert.shape, bool)
+        has_guests = hit.any(0)
     num_ids = compact_expert.shape[0]
     listed = xp.concatenate([slot_of[:, home:].reshape(-1),
                              xp.where(listed_home, home_slot[xp.maximum(compact_expert, 0)], -1)])
@@ -96,34 +204,24 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     flow = xp.zeros((num_ranks, m), xp.int32)  # [source, listed slot]
     supply = xp.where((compact_expert >= 0)[None, :], counts[:, xp.maximum(compact_expert, 0)], 0)  # [R, ids]
     if tiered:
-        local = xp.where(valid, xp.minimum(supply[rank, safe], capacity), 0)
-        supply = supply - scatter_add((num_ranks, num_ids), (rank, safe), local, xp)
-        capacity = capacity - local
-        flow = flow + xp.where(sources[:, None] == rank[None, :], local[None, :], 0)
-        # Within the node: the node's sources and copies, prefix sums restarting at each node. The
-        # pairs the node keeps, min(its supply, its copies' capacity), are shared among its copies
-        # in proportion to their capacity, so that every copy of the expert there takes the same
-        # share of its pairs from the node. (Filling copies in rank order instead leaves the last
-        # with remote pairs only, and the exchange waits for the rank that receives the most pairs
-        # across nodes.) The share is a float32 product and quotient, floored, the same on every
-        # device; a pair it leaves over goes through the anywhere tier.
+        # Within the node: how many of the node's pairs each copy takes and each source gives
+        # (node_shares, balanced across experts), then who gives to whom. A copy takes its own
+        # rank's pairs first; the rest pair up by interval overlap of prefix sums restarting at each
+        # node, sources and copies each in rank order. Whatever is left goes through the anywhere tier.
+        room = scatter_add((num_ranks, num_ids), (rank, safe), xp.where(valid, capacity, 0), xp)  # [R, ids]
+        home_rank = _nonnegative_div(home_slot, num_slots, xp)
+        # Only experts with guests are shared out: a listed expert without any goes home whole,
+        # as it would unlisted, so listing one changes nothing.
+        take, give = node_shares(counts, slot_expert, supply, room, has_guests, compact_expert, home_rank,
+                                 gpus_per_node, xp)
+        share = xp.where(valid, take[rank, safe], 0)  # [m]
+        own = xp.minimum(share, give[rank, safe])
         src = node[:, None] * gpus_per_node + xp.arange(gpus_per_node)[None, :]  # [m, G]
-        node_supply = supply[src, safe[:, None]]
-        s_hi = prefix_sum(node_supply, 1, xp)
-        _, node_capacity = copy_prefix(capacity, node * gpus_per_node, gpus_per_node)
-        kept = xp.minimum(s_hi[:, -1], node_capacity).astype(xp.float32)
-        share = xp.floor(kept * capacity.astype(xp.float32) / xp.maximum(node_capacity, 1).astype(xp.float32))
-        share = xp.minimum(share.astype(xp.int32), capacity)
-        c_hi, taken = copy_prefix(share, node * gpus_per_node, gpus_per_node)
-        # Likewise the node's sources give those pairs in proportion to their supply: source s's
-        # interval on the line is [floor(taken x before / all), floor(taken x (before + its
-        # supply) / all)), float32 as above and no longer than its supply. (Taking them in rank
-        # order left the node's last sources to send all it cannot keep across nodes, and the
-        # exchange waits for the rank that sends the most across nodes.)
-        scale = taken.astype(xp.float32)[:, None] / xp.maximum(s_hi[:, -1:], 1).astype(xp.float32)
-        g_lo = xp.floor(scale * (s_hi - node_supply).astype(xp.float32)).astype(xp.int32)
-        g_hi = xp.minimum(xp.floor(scale * s_hi.astype(xp.float32)).astype(xp.int32), g_lo + node_supply)
-        in_node = _overlap(g_hi, g_hi - g_lo, c_hi[:, None], share[:, None], xp)  # [m, G]
+        own_at_src = scatter_add((num_ranks, num_ids), (rank, safe), own, xp)[src, safe[:, None]]
+        rest = give[src, safe[:, None]] - own_at_src
+        c_hi, _ = copy_prefix(share - own, node * gpus_per_node, gpus_per_node)
+        in_node = _overlap(prefix_sum(rest, 1, xp), rest, c_hi[:, None], (share - own)[:, None], xp)
+        in_node = in_node + xp.where(src == rank[:, None], own[:, None], 0)
         supply = supply - scatter_add((num_ranks, num_ids), (src, xp.broadcast_to(safe[:, None], src.shape)),
                                       in_node, xp)
         capacity = capacity - in_node.sum(1)
