@@ -7,7 +7,7 @@ import pytest
 
 from jtopoep.plan import check_plan
 from jtopoep.planners.common import spill_per_expert
-from jtopoep.planners.routing import BALANCE_ROUNDS, plan_from_quotas, water_fill
+from jtopoep.planners.routing import BALANCE_ROUNDS, plan_from_quotas, top_up, water_fill
 
 RANKS, EXPERTS, GUESTS, GPUS = 8, 16, 2, 4  # two nodes of four ranks
 
@@ -46,7 +46,7 @@ def fill(supply, capacity, route, sources, copies):
 
 
 def reference_water_fill(height, room, total):
-    """routing.water_fill for one group of members, in scalar float32 and Python integers."""
+    """routing.water_fill for one group of members, in Python integers and scalar float32."""
     f32 = np.float32
     def filled(level):
         return sum(min(max(h - level, 0), r) for h, r in zip(height, room))
@@ -58,8 +58,7 @@ def reference_water_fill(height, room, total):
         hi = min(above)
         step = f32(hi - lo) / f32(max(filled(lo) - filled(hi), 1))
         level = f32(lo) + f32(filled(lo) - total) * step
-    amount = [int(np.floor(min(max(f32(h) - level, f32(0)), f32(r)))) for h, r in zip(height, room)]
-    return reference_top_up(amount, room, total)
+    return [int(np.floor(min(max(f32(h) - level, f32(0)), f32(r)))) for h, r in zip(height, room)]
 
 
 def reference_top_up(amount, room, total):
@@ -109,7 +108,7 @@ def reference_node_shares(counts, slot_expert, quota, rounds):
             keys = [(r, e) for r in ranks]
             amounts = reference_water_fill([receive[r] + take[k] for r, k in zip(ranks, keys)],
                                            [room[k] for k in keys], kept[(n, e)])
-            new_take.update(zip(keys, amounts))
+            new_take.update(zip(keys, reference_top_up(amounts, [room[k] for k in keys], kept[(n, e)])))
             filled = reference_water_fill([send[r] + give[k] for r, k in zip(ranks, keys)],
                                           [supply[k] for k in keys], kept[(n, e)])
             halfway = [(give[k] + f) // 2 for k, f in zip(keys, filled)]
@@ -214,20 +213,25 @@ def test_water_fill_levels_what_the_members_are_left_with():
     room = np.array([[[5, 10, 10, 3], [5, 10, 10, 3], [5, 10, 10, 3]]])
     total = np.array([[8, 5, 0, 9]])
     # 8 from (10, 4, 0): level 1, amounts (5, 3, 0), capped by the first member's room of 5.
-    # 5 from (9, 9, 0): level 6.5, amounts (2.5, 2.5, 0), floored and topped up in member order.
+    # 5 from (9, 9, 0): level 6.5, amounts (2.5, 2.5, 0), floored; top_up gives the first the 1 short.
     # Nothing to share; and everything, which fills every room.
-    want = np.array([[[5, 3, 0, 3], [3, 2, 0, 3], [0, 0, 0, 3]]])
+    floored = np.array([[[5, 2, 0, 3], [3, 2, 0, 3], [0, 0, 0, 3]]])
     for xp in (np, jnp):
-        np.testing.assert_array_equal(np.asarray(water_fill(xp.asarray(height), xp.asarray(room), xp.asarray(total), xp)), want)
+        got = water_fill(xp.asarray(height), xp.asarray(room), xp.asarray(total), xp)
+        np.testing.assert_array_equal(np.asarray(got), floored)
+        np.testing.assert_array_equal(np.asarray(top_up(got, xp.asarray(room), xp.asarray(total), xp)),
+                                      floored + np.array([[[0, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]]))
     rng = np.random.default_rng(0)
     for _ in range(200):
         g = int(rng.integers(1, 6))
         height = rng.integers(0, 100, g)
         room = rng.integers(0, 40, g) * (rng.random(g) < 0.8)
         total = int(rng.integers(0, room.sum() + 1))
-        got = water_fill(height[None, :, None], room[None, :, None], np.array([[total]]), np)[0, :, 0]
-        assert got.sum() == total and (got >= 0).all() and (got <= room).all()
-        assert list(got) == reference_water_fill(list(height), list(room), total)
+        got = water_fill(height[None, :, None], room[None, :, None], np.array([[total]]), np)
+        assert list(got[0, :, 0]) == reference_water_fill(list(height), list(room), total)
+        assert 0 <= total - got.sum() < g and (got >= 0).all() and (got[0, :, 0] <= room).all()
+        full = top_up(got, room[None, :, None], np.array([[total]]), np)[0, :, 0]
+        assert full.sum() == total and (full <= room).all()
 
 
 def test_spill_matches_sorted_definition():

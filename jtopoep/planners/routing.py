@@ -25,48 +25,52 @@ def _nonnegative_div(a, b: int, xp):
     return a // b if xp is np else jax.lax.div(a, jnp.asarray(b, a.dtype))
 
 
-# Rounds of node_shares' relaxation. On four sampled layers of each model preset, one round took
-# the scale-out exchange most of the way to a linear program's optimum for the same slots and
-# quotas, and two all of it but 0.3% on DeepSeek-V3 (benchmarks/what_if.py, routing bound).
+# Rounds of node_shares' relaxation. In the cluster projection (K = 2, four models, both planners,
+# inter-node bandwidth x1 and x0.5), two rounds moved no share of ideal's gain by more than 0.1
+# point from one, and each round costs about as much as the rest of the routing on this CPU.
 BALANCE_ROUNDS = 2
 
 
 def water_fill(height, room, total, xp=jnp):
-    """Integer amounts along axis 1 of [N, G, X] arrays that share `total` ([N, X]) so that what
-    each member is left with, height - amount, is as level as the rooms allow:
-    floor(clip(height - level, 0, room)), with the level at which the unfloored amounts sum to
-    total (total <= the rooms' sum), then topped up to total exactly (top_up).
+    """Integer amounts along axis 1 of [B, G, X] arrays that share about `total` ([B, X]) so that
+    what each member is left with, height - amount, is as level as the rooms allow:
+    floor(clip(height - level, 0, room)), with the level at which the unfloored amounts sum to total
+    (total <= the rooms' sum). The floors leave fewer than G short (top_up).
 
-    The fill as a function of the level is piecewise linear, with breaks at each member's height
-    and height - room. It is evaluated at all 2G breaks (whole numbers below 2**24 summed, so exact
-    in any order), and the level is interpolated between the two breaks around total by
-    elementwise float32 arithmetic: the same on every device, and no sort or search loop."""
-    height = height.astype(xp.float32)
-    room = room.astype(xp.float32)
-    total = total.astype(xp.float32)[:, None, :]
-    breaks = xp.concatenate([height, height - room], axis=1)  # [N, 2G, X]
-    fill = xp.clip(height[:, None] - breaks[:, :, None], 0, room[:, None]).sum(2)  # [N, 2G, X]
+    The fill as a function of the level falls piecewise linearly, with breaks at each member's
+    height and height - room. It is evaluated at all 2G breaks (whole numbers below 2**24 summed, so
+    exact in any order); the level lies between the highest break that still fills total and the
+    lowest that does not, found with the fills there by four independent reductions (one kernel),
+    and is interpolated by elementwise float32 arithmetic: the same on every device, with no sort
+    or search loop."""
+    total = total[:, None, :]
+    breaks = xp.concatenate([height, height - room], axis=1)  # [B, 2G, X]
+    fill = xp.clip(height[:, None] - breaks[:, :, None], 0, room[:, None]).sum(2)  # [B, 2G, X]
     reached = fill >= total
-    far = xp.float32(2.0 ** 30)
-    lo = xp.where(reached, breaks, -far).max(1, keepdims=True)  # the highest level that still fills total
-    hi = xp.where(reached, far, breaks).min(1, keepdims=True)  # the lowest that does not
-    fill_lo = xp.where(reached & (breaks == lo), fill, 0).max(1, keepdims=True)
-    fill_hi = xp.where(~reached & (breaks == hi), fill, 0).max(1, keepdims=True)
+    far = 2 ** 30
+    lo = xp.where(reached, breaks, -far).max(1, keepdims=True)
+    hi = xp.where(reached, far, breaks).min(1, keepdims=True)
+    fill_lo = xp.where(reached, fill, far).min(1, keepdims=True)  # the fill falls as the level rises
+    fill_hi = xp.where(reached, 0, fill).max(1, keepdims=True)
     # total = 0 leaves nothing unreached: hi stays far, and the level is lo, the highest height.
-    step = xp.where(hi < far, (hi - lo) / xp.maximum(fill_lo - fill_hi, 1), 0)
-    level = lo + (fill_lo - total) * step
-    amount = xp.floor(xp.clip(height - level, 0, room)).astype(xp.int32)
-    return top_up(amount, room.astype(xp.int32), total[:, 0].astype(xp.int32), xp)
+    f32 = xp.float32
+    step = xp.where(hi < far, (hi - lo).astype(f32) / xp.maximum(fill_lo - fill_hi, 1).astype(f32), f32(0))
+    level = lo.astype(f32) + (fill_lo - total).astype(f32) * step
+    return xp.floor(xp.clip(height.astype(f32) - level, f32(0), room.astype(f32))).astype(xp.int32)
 
 
 def top_up(amount, room, total, xp=jnp):
-    """amount [N, G, X] plus one for each of the first members along axis 1 with room left, as many
-    as it falls short of total [N, X]. Callers round amounts down from shares of total, which leaves
-    fewer short than members with room left; topped up, the node's sources and copies agree on how
-    many pairs it keeps, and none of them crosses nodes for want of rounding."""
+    """amount [B, G, X] plus one for each of the first members along axis 1 with room left, as many
+    as it falls short of total [B, X]. Callers round amounts down from shares of total, which leaves
+    fewer short than members with room left; topped up, a node's sources and copies agree on how many
+    pairs it keeps, and none crosses nodes for want of rounding. The members before each one are
+    counted by a product with a [G, G] triangle of ones, one kernel, where a prefix scan over G takes
+    several (exact: float32 sums of at most G ones)."""
     short = total - amount.sum(1)
     has_room = amount < room
-    order = prefix_sum(has_room.astype(xp.int32), 1, xp)
+    members = xp.arange(amount.shape[1])
+    earlier = (members[:, None] <= members[None, :]).astype(xp.float32)  # [G(before), G]
+    order = xp.einsum("bgx,gh->bhx", has_room.astype(xp.float32), earlier)  # members with room up to each
     return amount + (has_room & (order <= short[:, None])).astype(xp.int32)
 
 
@@ -84,8 +88,8 @@ def node_shares(counts, slot_expert, supply, room, real, compact_expert, home_ra
     relaxation: start from shares in proportion to room and supply, then BALANCE_ROUNDS times
     water-fill every expert's node shares against the ranks' totals of the round before. The gives
     move halfway each round: a source gives to every expert with a copy on its node, so moving all
-    the way overshoots (it oscillated on Mixtral's layers). Integer throughout, so the same on
-    every device.
+    the way overshoots (it oscillated on Mixtral's layers). Takes and gives are stacked along the
+    first axis and filled in one call. Integer throughout, so the same on every device.
 
     supply [R, X]: counts of each compact expert; room [R, X]: each rank's quota of it (0 where it
     holds no copy); real [X]: the compact ids of experts with guest copies (where ids are guest
@@ -95,8 +99,10 @@ def node_shares(counts, slot_expert, supply, room, real, compact_expert, home_ra
     nodes = num_ranks // gpus_per_node
     supply = xp.where(real[None, :], supply, 0)
     room = xp.where(real[None, :], room, 0)
-    by_node = lambda t: t.reshape(nodes, gpus_per_node, num_ids)  # noqa: E731
-    kept = xp.minimum(by_node(supply).sum(1), by_node(room).sum(1))  # [N, X]
+    # Rows 0..N-1 are the copies' side of each node, N..2N-1 the sources'.
+    limit = xp.concatenate([room, supply]).reshape(2 * nodes, gpus_per_node, num_ids)
+    kept = xp.minimum(limit[:nodes].sum(1), limit[nodes:].sum(1))  # [N, X]
+    kept = xp.concatenate([kept, kept])  # [2N, X]
     # Cross-node receive and send of the experts without copies: all their pairs go home.
     if xp is np:
         moved = np.zeros(num_experts, bool)
@@ -111,21 +117,28 @@ def node_shares(counts, slot_expert, supply, room, real, compact_expert, home_ra
     fixed_receive = xp.where(moved[home], 0, arriving).sum(1)
     leaving = ~moved[None, :] & ((home_rank // gpus_per_node)[None, :] != rank_node[:, None])
     fixed_send = xp.where(leaving, counts, 0).sum(1)
+    fixed = xp.concatenate([fixed_receive, fixed_send]).reshape(2 * nodes, gpus_per_node, 1)
 
-    def proportional(weight):
-        whole = xp.maximum(by_node(weight).sum(1, keepdims=True), 1).astype(xp.float32)
-        share = xp.floor(kept[:, None].astype(xp.float32) * by_node(weight).astype(xp.float32) / whole)
-        return top_up(share.astype(xp.int32), by_node(weight), kept, xp).reshape(num_ranks, num_ids)
+    whole = xp.maximum(limit.sum(1, keepdims=True), 1).astype(xp.float32)
+    share = xp.floor(kept[:, None].astype(xp.float32) * limit.astype(xp.float32) / whole).astype(xp.int32)
+    shares = top_up(share, limit, kept, xp)  # [2N, G, X]: in proportion to room and to supply
 
-    take, give = proportional(room), proportional(supply)
-    for _ in range(BALANCE_ROUNDS):
-        receive = fixed_receive + (room - take).sum(1)  # [R] pairs each rank receives across nodes
-        send = fixed_send + (supply - give).sum(1)
-        take = water_fill(by_node(receive[:, None] + take), by_node(room), kept, xp).reshape(num_ranks, num_ids)
-        filled = water_fill(by_node(send[:, None] + give), by_node(supply), kept, xp).reshape(num_ranks, num_ids)
+    def relax(_, shares):
+        # Each rank's receive (sources' rows: send) across nodes if this expert's share were 0.
+        height = fixed + (limit - shares).sum(2, keepdims=True) + shares
+        filled = water_fill(height, limit, kept, xp)
         # An odd sum rounds down with room left, so the top-up restores the total.
-        give = top_up(by_node((give + filled) // 2), by_node(supply), kept, xp).reshape(num_ranks, num_ids)
-    return take, give
+        moved_to = xp.concatenate([filled[:nodes], (shares[nodes:] + filled[nodes:]) // 2])
+        return top_up(moved_to, limit, kept, xp)
+
+    if xp is np:
+        for i in range(BALANCE_ROUNDS):
+            shares = relax(i, shares)
+    else:
+        # As a loop XLA:CPU compiles the rounds into one kernel (jtopoep.xla_cpu's small-loop
+        # limit), where as some twenty kernels apiece their dispatch cost more than their work.
+        shares = jax.lax.fori_loop(0, BALANCE_ROUNDS, relax, shares)
+    return shares[:nodes].reshape(num_ranks, num_ids), shares[nodes:].reshape(num_ranks, num_ids)
 
 
 def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: bool, xp=jnp, experts=None) -> Plan:
