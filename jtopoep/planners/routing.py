@@ -27,8 +27,9 @@ def _nonnegative_div(a, b: int, xp):
 
 # Rounds of node_shares' relaxation. In the cluster projection (K = 2, four models, both planners,
 # inter-node bandwidth x1 and x0.5) two rounds moved no share of ideal's gain by more than 0.1
-# point from one (nor from three, at x1). Two also keep the rounds a loop: XLA inlines a loop of one round into
-# separate kernels, which cost this CPU about 80 us, against about 27 for two rounds as one kernel.
+# point from one (nor from three, at x1). Two also keep the rounds a loop: XLA inlines a loop of
+# one round into separate kernels, which cost this CPU about 80 us, against about 27 for two rounds
+# as one kernel.
 BALANCE_ROUNDS = 2
 
 
@@ -203,16 +204,15 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     node = _nonnegative_div(rank, gpus_per_node, xp)
 
     def copy_prefix(cap, first_rank, width: int):
-        """([m] end of each copy's interval, [m] length of the whole line): the capacity of the
-        copies of its expert on ranks first_rank .. its own (a rank holds at most one copy of an
-        expert, so rank order is the copies' order), and on all `width` ranks from first_rank.
-        Looked up in a [rank, expert] table of capacities, [m, width] elements, where a masked sum
-        over all pairs of entries took [m, m] (and XLA:CPU split that over threads, which cost
-        more than the sum)."""
+        """[m] end of each copy's interval: the capacity of the copies of its expert on ranks
+        first_rank .. its own (a rank holds at most one copy of an expert, so rank order is the
+        copies' order; `width` ranks from first_rank are looked at). Looked up in a [rank, expert]
+        table of capacities, [m, width] elements, where a masked sum over all pairs of entries took
+        [m, m] (and XLA:CPU split that over threads, which cost more than the sum)."""
         table = scatter_add((num_ranks, num_ids), (rank, safe), xp.where(valid, cap, 0), xp)
         at = first_rank[:, None] + xp.arange(width, dtype=xp.int32)[None, :]  # [m, width]
         mine = table[xp.minimum(at, num_ranks - 1), safe[:, None]]
-        return xp.where(at <= rank[:, None], mine, 0).sum(1), mine.sum(1)
+        return xp.where(at <= rank[:, None], mine, 0).sum(1)
 
     sources = xp.arange(num_ranks)
     flow = xp.zeros((num_ranks, m), xp.int32)  # [source, listed slot]
@@ -233,7 +233,7 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
         src = node[:, None] * gpus_per_node + xp.arange(gpus_per_node)[None, :]  # [m, G]
         own_at_src = scatter_add((num_ranks, num_ids), (rank, safe), own, xp)[src, safe[:, None]]
         rest = give[src, safe[:, None]] - own_at_src
-        c_hi, _ = copy_prefix(share - own, node * gpus_per_node, gpus_per_node)
+        c_hi = copy_prefix(share - own, node * gpus_per_node, gpus_per_node)
         in_node = _overlap(prefix_sum(rest, 1, xp), rest, c_hi[:, None], (share - own)[:, None], xp)
         in_node = in_node + xp.where(src == rank[:, None], own[:, None], 0)
         supply = supply - scatter_add((num_ranks, num_ids), (src, xp.broadcast_to(safe[:, None], src.shape)),
@@ -242,7 +242,7 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
         same_node = (sources // gpus_per_node)[:, None] == node[None, :]
         flow = flow + xp.where(same_node, in_node.T[sources % gpus_per_node], 0)
     supply = supply[:, safe]  # [R, m]
-    c_hi, _ = copy_prefix(capacity, xp.zeros_like(rank), num_ranks)
+    c_hi = copy_prefix(capacity, xp.zeros_like(rank), num_ranks)
     anywhere = _overlap(prefix_sum(supply, 0, xp), supply, c_hi[None, :], capacity[None, :], xp)
     flow = xp.where(valid[None, :], flow + anywhere, 0)
     # Written into the listed slots' columns by a scatter, which makes XLA compute `flow` once; as a
