@@ -64,14 +64,13 @@ def top_up(amount, room, total, xp=jnp):
     """amount [B, G, X] plus one for each of the first members along axis 1 with room left, as many
     as it falls short of total [B, X]. Callers round amounts down from shares of total, which leaves
     fewer short than members with room left; topped up, a node's sources and copies agree on how many
-    pairs it keeps, and none crosses nodes for want of rounding. The members before each one are
-    counted by a product with a [G, G] triangle of ones, one kernel, where a prefix scan over G takes
-    several (exact: float32 sums of at most G ones)."""
+    pairs it keeps, and none crosses nodes for want of rounding. The members with room up to each one
+    are counted by cumsum, which XLA:CPU lowers to one reduce-window kernel costing G^2 per column:
+    nothing for the few GPUs of a node, and about 5% of topoep's latency less than the product with
+    a [G, G] triangle of ones this used before (a dot, with its transposes)."""
     short = total - amount.sum(1)
     has_room = amount < room
-    members = xp.arange(amount.shape[1])
-    earlier = (members[:, None] <= members[None, :]).astype(xp.float32)  # [G(before), G]
-    order = xp.einsum("bgx,gh->bhx", has_room.astype(xp.float32), earlier)  # members with room up to each
+    order = xp.cumsum(has_room.astype(xp.int32), axis=1)  # members with room up to each
     return amount + (has_room & (order <= short[:, None])).astype(xp.int32)
 
 
