@@ -240,11 +240,11 @@ def test_exchange_saving_is_the_fall_of_the_largest_scale_out_receive():
     from jtopoep.planners.pricing import TransferClock, exchange_saving
 
     recv = jnp.asarray([5.0, 3.0, 2.0, 1.0])
-    clock = TransferClock.start(jnp.zeros(4), recv, jnp.full(4, 0.5))
+    clock = TransferClock.start(jnp.zeros(4), recv, jnp.full(4, 0.5), 2)
     np.testing.assert_allclose(exchange_saving(clock, 0, None, 3.0, 1.0), [0.0, 1.0, 2.0, 2.0])
     assert float(exchange_saving(clock, 0, 3, 3.0, 1.0)) == 2.0
     assert float(exchange_saving(clock, 1, 3, 3.0, 1.0)) == 0.0
-    floored = TransferClock.start(jnp.zeros(4), recv, jnp.full(4, 4.5))
+    floored = TransferClock.start(jnp.zeros(4), recv, jnp.full(4, 4.5), 2)
     assert float(exchange_saving(floored, 0, 3, 3.0, 1.0)) == 0.5
     # Per candidate and rank at once ([C, R], as taot prices them): the same figures.
     both = exchange_saving(clock, jnp.asarray([[0], [1]]), None, 3.0, 1.0)
@@ -279,6 +279,39 @@ def test_tracked_scale_out_exchange_starts_as_the_cost_model_prices_the_home_pla
     across = np.where(link_class(TOPO) == 2, pairs, 0)
     np.testing.assert_allclose(recv, across.sum(0) * per_pair, rtol=1e-6)
     np.testing.assert_allclose(send, across.sum(1) * per_pair, rtol=1e-6)
+
+
+def test_the_clock_prices_copies_as_the_cost_model_charges_them():
+    """Copies made one by one, each priced by copy_exposure before the clock takes it: the prices
+    add up to the cost model's guest-weight term for all of them (whole copies, no GEMM moved), with
+    NVLink and scale-out transfers running at once. And a hand case: a home that has sent two
+    copies across nodes (2 s on its NIC, 2.2 s of GEMM to hide them) ships a third copy to its own
+    node for free, where the sum of its transfers (2.5 s) would expose 0.3 s; across nodes the third
+    copy exposes 0.8 s."""
+    from jtopoep.costmodel import copy_seconds_per_rank, exposed_weight_seconds
+    from jtopoep.planners.pricing import TransferClock, clock_after_copy, copy_exposure, transfer_costs
+
+    link_s = np.asarray(transfer_costs(TOPO, DIMS)[0])
+    rng = np.random.default_rng(0)
+    hide = rng.uniform(0.0, 3.0, R).astype(np.float32) * link_s.max()
+    clock = TransferClock.start(jnp.asarray(hide), jnp.zeros(R), jnp.zeros(R), TOPO.gpus_per_node)
+    moves = np.zeros((R, R), np.int64)
+    priced = 0.0
+    for _ in range(30):
+        home, dest = rng.choice(R, 2, replace=False)
+        priced += float(copy_exposure(clock, home, dest, link_s[home, dest], 0.0))
+        clock = clock_after_copy(clock, home, dest, link_s[home, dest], 0.0, True, 0.0, 0.0)
+        moves[home, dest] += 1
+    out = copy_seconds_per_rank(moves, TOPO, DIMS)
+    assert priced > 0
+    np.testing.assert_allclose(priced, exposed_weight_seconds(out, out, hide, np.zeros(R), 1), rtol=1e-5)
+
+    gpus = TOPO.gpus_per_node
+    clock = TransferClock.start(jnp.full(R, 2.2), jnp.zeros(R), jnp.zeros(R), gpus)
+    for dest in (gpus, gpus + 1):
+        clock = clock_after_copy(clock, 0, dest, 1.0, 0.0, True, 0.0, 0.0)
+    assert float(copy_exposure(clock, 0, 1, 0.5, 0.0)) == 0.0
+    np.testing.assert_allclose(float(copy_exposure(clock, 0, gpus + 2, 1.0, 0.0)), 0.8, rtol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["topoep", "taot"])

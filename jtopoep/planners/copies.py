@@ -70,7 +70,8 @@ def start_copies(counts, placement, cand, spill, target, slots: int, pair_fwd_s:
                             axis=1).astype(jnp.int32)
     state = CopyState(jnp.int32(0), spill[cand], ranks, holds_home(home_rank_of_experts(placement)[cand], num_ranks),
                       TransferClock.start(rank_loads.astype(jnp.float32) * pair_fwd_s,
-                                          *home_exchange_seconds(counts, placement, topology, pair_xchg_s)))
+                                          *home_exchange_seconds(counts, placement, topology, pair_xchg_s),
+                                          topology.gpus_per_node))
     return carry_like(state, counts)
 
 

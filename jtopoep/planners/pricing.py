@@ -27,46 +27,50 @@ class TransferClock(NamedTuple):
 
     The cost model's rule: weights a rank sends (as home) or receives (as host) are free while they
     fit behind its home-slot forward GEMMs, and gradients going back behind its backward (twice the
-    forward); only the rest is exposed. Planners use it to price a copy before making it. It prices
-    whole copies: with the weights in slices (ExpertDims.weight_chunks) the cost model also hides a
-    receiving rank's later slices behind its guest GEMMs of the earlier ones, so this is an upper
-    bound on what a copy exposes (a rank that only sends gains nothing from slices).
+    forward); only the rest is exposed. A rank's transfers take the longest of what it sends and
+    receives over each link class: NVLink and the scale-out NICs are separate hardware and run at
+    once, in full duplex (costmodel.copy_seconds_per_rank), so a copy to a rank of the same node
+    costs a home whose NIC is busy nothing until its NVLink sends catch up. Planners use the clock
+    to price a copy before making it. It prices whole copies: with the weights in slices
+    (ExpertDims.weight_chunks) the cost model also hides a receiving rank's later slices behind its
+    guest GEMMs of the earlier ones, so this is an upper bound on what a copy exposes (a rank that
+    only sends gains nothing from slices).
 
-    The exchange rows track what the cost model charges for the token exchange where it binds: the
+    The exchange row tracks what the cost model charges for the token exchange where it binds: the
     scale-out receive of the ranks that host hot experts (pairs from other nodes). A copy on another
     rank takes pairs off its home's receive, which saves exchange time when that receive is the
     largest (exchange_saving); the largest send is kept as it starts, a floor under the saving.
     Planners keep these in seconds times their exchange_credit, so what they save is credited at that
     share.
 
-    One [4, R] array rather than four: a copy updates it with one kernel and reads a rank's column
+    One [6, R] array rather than six: a copy updates it with one kernel and reads a rank's column
     with one gather, in loops that make one copy per step."""
-    # [4, R] float32: weights sent, weights received, home-slot forward GEMM, scale-out exchange
-    # receive (all EXCHANGES_PER_LAYER exchanges)
+    # [6, R] float32: weights sent over NVLink, sent across nodes, received over NVLink, received
+    # across nodes, home-slot forward GEMM, scale-out exchange receive (all EXCHANGES_PER_LAYER
+    # exchanges)
     seconds: jnp.ndarray
     exchange_floor: jnp.ndarray  # float32 scalar: the largest scale-out exchange send
+    node: jnp.ndarray  # [R] int32 node of each rank: which link class a transfer takes
 
     @classmethod
-    def start(cls, hide, exchange_recv, exchange_send):
+    def start(cls, hide, exchange_recv, exchange_send, gpus_per_node: int):
         """Nothing sent or received yet; `hide` [R] seconds of home-slot forward GEMM, and each rank's
         scale-out exchange seconds received and sent with every pair at its home."""
-        return cls(jnp.stack([jnp.zeros_like(hide), jnp.zeros_like(hide), hide, exchange_recv]), exchange_send.max())
+        zero = jnp.zeros_like(hide)
+        node = jnp.arange(hide.shape[0], dtype=jnp.int32) // gpus_per_node
+        return cls(jnp.stack([zero, zero, zero, zero, hide, exchange_recv]), exchange_send.max(), node)
 
     @property
-    def send(self):
-        return self.seconds[0]
-
-    @property
-    def recv(self):
-        return self.seconds[1]
+    def busy(self):  # [R] seconds each rank's slowest link class is busy with weights
+        return self.seconds[:4].max(0)
 
     @property
     def hide(self):
-        return self.seconds[2]
+        return self.seconds[4]
 
     @property
     def exchange_recv(self):
-        return self.seconds[3]
+        return self.seconds[5]
 
 
 def transfer_costs(topology: Topology, dims: ExpertDims | None):
@@ -133,23 +137,27 @@ def exchange_saving(clock: TransferClock, home, dest, drop_s, rise_s):
     return jnp.where(home == first, saving, 0.0)
 
 
-def _exposed(send, recv, hide):
+def _exposed(busy, hide):
     """(forward, backward) exposed transfer seconds: weights out behind the home forward GEMMs,
     gradients back behind the backward (twice the forward)."""
-    busy = jnp.maximum(send, recv)
     return jnp.maximum(busy - hide, 0.0), jnp.maximum(busy - 2.0 * hide, 0.0)
 
 
 def copy_exposure(clock: TransferClock, home, dest, link, moved_fwd_s):
     """Extra layer seconds from the guest-weight term if `home` ships one expert to `dest` (link
-    seconds) and its home slots lose moved_fwd_s of forward GEMM. The cost model charges the most
-    exposed rank, forward and backward, so a transfer costs only what it adds to those maxima.
-    Broadcasts over candidate arrays; dest None prices a copy to every rank, [R]."""
-    fwd_max, bwd_max = jnp.stack(_exposed(clock.send, clock.recv, clock.hide)).max(1)
-    at_home = clock.seconds[:, home]  # [4, ...] one gather
+    seconds, over NVLink or across nodes as their nodes say) and its home slots lose moved_fwd_s of
+    forward GEMM. The cost model charges the most exposed rank, forward and backward, so a transfer
+    costs only what it adds to those maxima. Broadcasts over candidate arrays; dest None prices a
+    copy to every rank, [R]."""
+    fwd_max, bwd_max = jnp.stack(_exposed(clock.busy, clock.hide)).max(1)
+    at_home = clock.seconds[:, home]  # [6, ...] one gather
     at_dest = clock.seconds if dest is None else clock.seconds[:, dest]
-    home_fwd, home_bwd = _exposed(at_home[0] + link, at_home[1], at_home[2] - moved_fwd_s)
-    dest_fwd, dest_bwd = _exposed(at_dest[0], at_dest[1] + link, at_dest[2])
+    across = clock.node[home] != (clock.node if dest is None else clock.node[dest])
+    nvlink, scale_out = jnp.where(across, 0.0, link), jnp.where(across, link, 0.0)
+    home_busy = jnp.maximum(jnp.maximum(at_home[0] + nvlink, at_home[1] + scale_out), jnp.maximum(at_home[2], at_home[3]))
+    dest_busy = jnp.maximum(jnp.maximum(at_dest[0], at_dest[1]), jnp.maximum(at_dest[2] + nvlink, at_dest[3] + scale_out))
+    home_fwd, home_bwd = _exposed(home_busy, at_home[4] - moved_fwd_s)
+    dest_fwd, dest_bwd = _exposed(dest_busy, at_dest[4])
     return (jnp.maximum(jnp.maximum(home_fwd, dest_fwd) - fwd_max, 0.0)
             + jnp.maximum(jnp.maximum(home_bwd, dest_bwd) - bwd_max, 0.0))
 
@@ -158,10 +166,11 @@ def clock_after_copy(clock: TransferClock, home, dest, link, moved_fwd_s, ok, dr
     """The clock after `home` ships one expert to `dest` (link seconds), where ok; the home's slots
     lose moved_fwd_s of forward GEMM, its scale-out receive drop_s, and dest's receive gains rise_s."""
     ranks = jnp.arange(clock.seconds.shape[1])[None, :]
-    row = jnp.arange(4)[:, None]
+    row = jnp.arange(6)[:, None]
     at_home = ok & (ranks == home)
     at_dest = ok & (ranks == dest)
-    delta = (jnp.where((row == 0) & at_home, link, 0.0) + jnp.where((row == 1) & at_dest, link, 0.0)
-             - jnp.where((row == 2) & at_home, moved_fwd_s, 0.0)
-             - jnp.where((row == 3) & at_home, drop_s, 0.0) + jnp.where((row == 3) & at_dest, rise_s, 0.0))
+    across = (clock.node[home] != clock.node[dest]).astype(jnp.int32)  # row 0/2 over NVLink, 1/3 across
+    delta = (jnp.where((row == across) & at_home, link, 0.0) + jnp.where((row == 2 + across) & at_dest, link, 0.0)
+             - jnp.where((row == 4) & at_home, moved_fwd_s, 0.0)
+             - jnp.where((row == 5) & at_home, drop_s, 0.0) + jnp.where((row == 5) & at_dest, rise_s, 0.0))
     return clock._replace(seconds=clock.seconds + delta)

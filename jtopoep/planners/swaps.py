@@ -57,21 +57,22 @@ def locality_swaps(counts, placement, guests, quotas, cand, topology: Topology, 
               .reshape(nodes, gpus_per_node, num_cand).sum(1))  # [N, C]
     remote = jnp.arange(nodes)[:, None] != home_node[cand][None, :]
     crossing = jnp.where(remote, jnp.maximum(node_pairs - served, 0), 0)  # [N, C]
-    # Weight-transfer seconds each rank already sends (as a home) and receives (as a guest host), and
-    # the home-slot forward GEMM seconds that can hide them.
+    # Weight-transfer seconds each rank is already busy with over each link class, [NVLink, across
+    # nodes] x R: the larger of what it sends (as a home) and receives (as a guest host); the
+    # classes run at once, as the cost model prices them. And the home-slot forward GEMM seconds that
+    # can hide them.
     ranks = jnp.broadcast_to(jnp.arange(num_ranks)[:, None], guests.shape)
     src = home_rank[jnp.maximum(guests, 0)]
     # Counted in whole transfers per link class, then priced: no float scatter-add, whose order
     # (and so whose rounding) could differ between devices.
     inter = node_link_class(topology)[src, ranks]
-    sent = jnp.zeros(num_ranks, jnp.float32)
-    received = jnp.zeros(num_ranks, jnp.float32)
+    busy = []
     for link_class, bandwidth in ((False, topology.intra_bw), (True, topology.inter_bw)):
         mine = occupied & (inter == link_class)
         seconds = jnp.float32(dims.expert_bytes / bandwidth)
-        sent = sent + scatter_add((num_ranks,), (src,), mine.astype(jnp.int32)).astype(jnp.float32) * seconds
-        received = received + mine.sum(1).astype(jnp.float32) * seconds
-    busy = jnp.maximum(sent, received)
+        sent = scatter_add((num_ranks,), (src,), mine.astype(jnp.int32)).astype(jnp.float32) * seconds
+        busy.append(jnp.maximum(sent, mine.sum(1).astype(jnp.float32) * seconds))
+    busy = jnp.stack(busy)  # [2, R]
     hide = (loads - taken)[placement].sum(1).astype(jnp.float32) * pair_fwd_s
     cand_rank = home_rank[cand]  # [C]
     cand_node = home_node[cand]
@@ -94,7 +95,9 @@ def locality_swaps(counts, placement, guests, quotas, cand, topology: Topology, 
         fits = free[:, None] & free[None, :] & ~holds[cand_rank, :] & ~holds[cand_rank, :].T & apart
         # Each rank sends one expert and receives one more; its home slots lose `amount` pairs.
         after = hide[cand_rank][:, None] - amount.astype(jnp.float32) * pair_fwd_s
-        hidden = (busy[cand_rank][:, None] + cost <= after) & (busy[cand_rank][None, :] + cost <= after.T)
+        # Both transfers of a swap cross nodes (`apart`); each home's NVLink transfers run beside them.
+        loaded = jnp.maximum(busy[0][cand_rank][:, None], busy[1][cand_rank][:, None] + cost)  # [e1, e2] at h1
+        hidden = (loaded <= after) & (loaded.T <= after.T)
         gain = jnp.where(fits & hidden & (amount > 0),
                          2.0 * amount.astype(jnp.float32) * pair_bytes - 2.0 * copy_bytes, -jnp.inf)
         flat = first_argmax(gain)
@@ -115,7 +118,7 @@ def locality_swaps(counts, placement, guests, quotas, cand, topology: Topology, 
         crossing = crossing - jnp.where((node_ids == cand_node[e2]) & (cols[None, :] == e1), a, 0) \
             - jnp.where((node_ids == cand_node[e1]) & (cols[None, :] == e2), a, 0)
         left = left - jnp.where((cols == e1) | (cols == e2), a, 0)
-        busy = busy + jnp.where(swapped, link_s[h1, h2], 0.0)
+        busy = busy + jnp.where((jnp.arange(2)[:, None] == 1) & swapped[None, :], link_s[h1, h2], 0.0)
         hide = hide - jnp.where(swapped, a.astype(jnp.float32) * pair_fwd_s, 0.0)
         return (jnp.where(ok, i + 1, num_ranks * slots), guests, quotas, used, holds, crossing, left, busy,
                 hide)
