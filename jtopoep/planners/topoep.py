@@ -6,13 +6,10 @@
    once no spill is left):
    inter-node choice: for each node, its best free rank (most room below T*, a free guest slot, not
    holding the expert) could absorb min(spill, room) pairs; among the nodes that absorb at least
-   half of what the best one can (a sliver of a copy spends a slot and a transfer), the node where
-   the copy is worth the most wins, and among nodes within 10% of that worth the one that absorbs
-   the most, so each copy fills a rank or ends the spill. A copy's worth is in seconds: the GEMM
-   time it saves on the hot rank, plus the exchange credit below, less the weight-transfer time it
-   exposes at that node's rank, plus the inter-node bytes it saves (its node's own pairs of the
-   expert that stop crossing the scale-out link, minus the weights and gradients that must cross
-   it) priced as if spread over all R ranks' scale-out links;
+   half of what the best one can (a sliver of a copy spends a slot and a transfer), the node that
+   saves the most inter-node bytes (its own pairs of the expert that stop crossing the scale-out
+   link, minus the weights and gradients that must cross it) wins, and among nodes within 10% of
+   that saving the one that absorbs the most, so each copy fills a rank or ends the spill;
    intra-node refinement: within that node, the least-loaded free rank (most room), or a rank that
    holds the expert from the step's previous micro-batch (`held`) and absorbs as much;
    a copy must save more GEMM time on the hot rank, plus exchange_credit x the exchange time it saves
@@ -27,7 +24,7 @@
 5. each home slot keeps what its copies do not take; sources feed copies on their own rank, then
    their own node, then anywhere (routing.plan_from_quotas).
 
-Every quantity is an integer except the seconds of the pricing and the worth score, float32 computed
+Every quantity is an integer except the pricing's seconds and the bytes-saved score, float32 computed
 identically everywhere;
 ties go to the lowest index, so every device computes the same plan bit for bit.
 
@@ -117,27 +114,20 @@ class TopoEPPlanner(PlannerBase):
             moved = absorb.astype(jnp.float32)
             usable = absorb > 0
             saved = (jnp.minimum(moved, crossing[:, e]) * pair_bytes - jnp.where(remote[:, e], copy_bytes, 0.0))
-            # What a copy on each node is worth, in seconds: what it saves net of the transfer it
-            # exposes at the node's rank (GEMM on the hot rank, exchange credit), plus the bytes it
-            # keeps off the scale-out link (pairs that stop crossing less the weights that must
-            # cross), priced as if spread over every rank's scale-out link: the routing levels the
-            # exchange (routing.node_shares), so a byte kept off it anywhere shortens the busiest
-            # rank's share by about 1 / (R x bandwidth). Bytes alone sent the third copy of a hot
-            # expert across nodes, exposing a whole transfer on its home's NIC, where a copy over
-            # NVLink hid behind the home-slot GEMMs (DeepSeek-V2-Lite, Qwen1.5-MoE:
-            # benchmarks.cluster).
-            net = jnp.broadcast_to(take * pair_s + credit - exposure, take.shape)[dest]  # [N]
-            worth = net + saved / (num_ranks * self.topology.inter_bw)
-            # Only nodes that absorb at least half what the best one can compete on worth: the home
+            # Only nodes that absorb at least half what the best one can compete on bytes: the home
             # rank ships every copy of e, and a sliver of a copy spends a slot and a transfer on it.
-            # Nodes within 10% of the best worth among those count as equally good; among them the
-            # one that absorbs the most wins, so that each copy fills a rank (few slots, good
-            # balance). Each test compares every node with every other ([N, N], one kernel each; a
-            # maximum, then a comparison with it, takes two): x - 0.1 |x| rises with x, so clearing
-            # every big node's own threshold is clearing the best one's.
+            # Nodes within 10% of the best saving among those count as equally good for traffic;
+            # among them the one that absorbs the most wins, so that each copy fills a rank (few
+            # slots, good balance). Each test compares every node with every other ([N, N], one
+            # kernel each; a maximum, then a comparison with it, takes two): x - 0.1 |x| rises with
+            # x, so clearing every big node's own threshold is clearing the best one's. (Choosing by
+            # the copy's worth in seconds instead, GEMM and exchange saved less the transfer it
+            # exposes, with bytes priced over every rank's scale-out link, gained 1-2 points of
+            # ideal's gain on DeepSeek-V2-Lite and Qwen1.5-MoE but lost 5.5 on Qwen1.5-MoE at half
+            # the inter-node bandwidth: benchmarks.cluster.)
             big = usable & jnp.all(2 * absorb[:, None] >= absorb[None, :], axis=1)
-            threshold = worth - 0.1 * jnp.abs(worth)
-            near = big & jnp.all(~big[None, :] | (worth[:, None] >= threshold[None, :]), axis=1)
+            threshold = saved - 0.1 * jnp.abs(saved)
+            near = big & jnp.all(~big[None, :] | (saved[:, None] >= threshold[None, :]), axis=1)
             first = (absorb[:, None] > absorb[None, :]) | ((absorb[:, None] == absorb[None, :])
                                                           & (node_ids[:, None] <= node_ids[None, :]))
             wins = near & jnp.all(~near[None, :] | first, axis=1)
