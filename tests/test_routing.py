@@ -7,7 +7,8 @@ import pytest
 
 from jtopoep.plan import check_plan
 from jtopoep.planners.common import spill_per_expert
-from jtopoep.planners.routing import BALANCE_ROUNDS, plan_from_quotas, top_up, water_fill
+from jtopoep.planners.routing import (BALANCE_ROUNDS, LEVEL_MEMBERS, LEVEL_ROUNDS, plan_from_quotas, top_up,
+                                      water_fill)
 
 RANKS, EXPERTS, GUESTS, GPUS = 8, 16, 2, 4  # two nodes of four ranks
 
@@ -71,6 +72,41 @@ def reference_top_up(amount, room, total):
     return amount
 
 
+def reference_fixed_receive(counts, slot_expert):
+    """[d] pairs each rank receives across nodes for its home experts without guest copies."""
+    home = EXPERTS // RANKS
+    node = np.arange(RANKS) // GPUS
+    moved = {int(e) for e in slot_expert[:, home:].reshape(-1) if e >= 0}
+    return [sum(int(counts[:, e].sum() - counts[node == node[d], e].sum()) for e in slot_expert[d, :home]
+                if e not in moved) for d in range(RANKS)]
+
+
+def reference_level(cross, counts, slot_expert, quota):
+    """routing.level_receive with loops: cross {(d, j): pairs the copy takes from other nodes} for
+    the copies of experts with guests, re-divided per expert among its first LEVEL_MEMBERS copies
+    in rank order."""
+    fixed = reference_fixed_receive(counts, slot_expert)
+    load = [int(quota[d].sum()) for d in range(RANKS)]
+    top = max(load)
+    experts = sorted({int(slot_expert[c]) for c in cross})
+    members = {e: sorted(c for c in cross if slot_expert[c] == e)[:LEVEL_MEMBERS] for e in experts}
+    copies = [max(sum(1 for c in cross if c[0] == d), 1) for d in range(RANKS)]
+    for _ in range(LEVEL_ROUNDS):
+        receive = [fixed[d] + sum(v for c, v in cross.items() if c[0] == d) for d in range(RANKS)]
+        new = dict(cross)
+        for e in experts:
+            cs = members[e]
+            depth = [cross[c] - receive[c[0]] for c in cs]
+            room = [cross[c] + (top - load[c[0]]) // copies[c[0]] for c in cs]
+            total = sum(cross[c] for c in cs)
+            amounts = reference_top_up(reference_water_fill(depth, room, total), room, total)
+            new.update(zip(cs, amounts))
+        for c, v in new.items():
+            load[c[0]] += v - cross[c]
+        cross = new
+    return cross
+
+
 def reference_node_shares(counts, slot_expert, quota, rounds):
     """routing.node_shares with loops: ({(d, j): pairs the copy takes from its node},
     {(s, e): pairs the source gives to its node's copies of e}) for experts with guests."""
@@ -85,8 +121,7 @@ def reference_node_shares(counts, slot_expert, quota, rounds):
     supply = {(s, e): int(counts[s, e]) for s in range(RANKS) for e in moved}
     kept = {g: min(sum(supply[(s, g[1])] for s in ranks), sum(room[(d, g[1])] for d in ranks))
             for g, ranks in members.items()}
-    fixed_receive = [sum(int(loads[e] - counts[node == node[d], e].sum()) for e in slot_expert[d, :home]
-                         if e not in moved) for d in range(RANKS)]
+    fixed_receive = reference_fixed_receive(counts, slot_expert)
     fixed_send = [sum(int(counts[s, e]) for e in range(EXPERTS) if e not in moved and home_node[e] != node[s])
                   for s in range(RANKS)]
 
@@ -117,17 +152,20 @@ def reference_node_shares(counts, slot_expert, quota, rounds):
     return {(d, j): take[(d, e)] for (d, e), j in copy_on.items()}, give
 
 
-def reference_route(counts, slot_expert, quota, tiered):
-    """[s, d, j] pairs, one expert at a time, with explicit loops."""
+def reference_route(counts, slot_expert, quota, tiered, level=False):
+    """[s, d, j] pairs, with explicit loops: each expert's node tier, then (level) the re-division of
+    what copies take from other nodes, then each expert's anywhere tier."""
     route = np.zeros((RANKS,) + slot_expert.shape, np.int64)
     node = np.arange(RANKS) // GPUS
     if tiered:
         take, give = reference_node_shares(counts, slot_expert, quota, BALANCE_ROUNDS)
+    tiers = {}
     for e in range(EXPERTS):
         copies = [tuple(x) for x in np.argwhere(slot_expert == e)]  # (d, j) in rank order
         supply = {s: int(counts[s, e]) for s in range(RANKS)}
         capacity = {c: int(quota[c]) for c in copies}
         flows = {s: {c: 0 for c in copies} for s in range(RANKS)}
+        tiers[e] = copies, supply, capacity, flows
         if tiered and len(copies) > 1:
             for n in range(RANKS // GPUS):  # own node: the shares node_shares chose
                 sources = [s for s in range(RANKS) if node[s] == n]
@@ -149,6 +187,11 @@ def reference_route(counts, slot_expert, quota, tiered):
                         flows[s][c] += moved
                         supply[s] -= moved
                         capacity[c] -= moved
+    if tiered and level:
+        cross = {c: tiers[e][2][c] for e in range(EXPERTS) if len(tiers[e][0]) > 1 for c in tiers[e][0]}
+        for c, v in reference_level(cross, counts, slot_expert, quota).items():
+            tiers[int(slot_expert[c])][2][c] = v
+    for e, (copies, supply, capacity, flows) in tiers.items():
         fill(supply, capacity, flows, range(RANKS), copies)  # anywhere
         for s in range(RANKS):
             for (d, j), moved in flows[s].items():
@@ -156,14 +199,14 @@ def reference_route(counts, slot_expert, quota, tiered):
     return route
 
 
-@pytest.mark.parametrize("tiered", [True, False])
-def test_plan_from_quotas_matches_loop_reference(tiered):
-    routed = jax.jit(lambda c, s, q: plan_from_quotas(c, s, q, GPUS, tiered))
+@pytest.mark.parametrize("tiered,level", [(True, False), (True, True), (False, False)])
+def test_plan_from_quotas_matches_loop_reference(tiered, level):
+    routed = jax.jit(lambda c, s, q: plan_from_quotas(c, s, q, GPUS, tiered, level=level))
     for seed in range(25):
         counts, slot_expert, quota, home = random_layout(seed)
-        want = reference_route(counts, slot_expert, quota, tiered)
+        want = reference_route(counts, slot_expert, quota, tiered, level)
         on_device = routed(counts, slot_expert, quota)
-        on_host = plan_from_quotas(counts, slot_expert, quota, GPUS, tiered, np)
+        on_host = plan_from_quotas(counts, slot_expert, quota, GPUS, tiered, np, level=level)
         np.testing.assert_array_equal(np.asarray(on_device.route), want, err_msg=f"seed {seed}")
         np.testing.assert_array_equal(on_host.route, want, err_msg=f"seed {seed}")
         check_plan(on_device, counts, np.arange(EXPERTS).reshape(RANKS, -1))
@@ -172,8 +215,30 @@ def test_plan_from_quotas_matches_loop_reference(tiered):
         guests = np.unique(slot_expert[:, home:][slot_expert[:, home:] >= 0])
         extra = np.random.default_rng(seed).choice(EXPERTS, size=3, replace=False)
         experts = np.random.default_rng(seed + 1).permutation(np.union1d(guests, extra)).astype(np.int32)
-        listed = plan_from_quotas(counts, slot_expert, quota, GPUS, tiered, np, experts=experts)
+        listed = plan_from_quotas(counts, slot_expert, quota, GPUS, tiered, np, experts=experts, level=level)
         np.testing.assert_array_equal(listed.route, want, err_msg=f"seed {seed}, experts listed")
+        if level:  # no rank's load rises above the busiest rank's
+            assert np.asarray(on_device.route).sum((0, 2)).max() <= quota.sum(1).max()
+
+
+def test_levelling_only_the_first_copies_matches_loop_reference(monkeypatch):
+    """With LEVEL_MEMBERS below an expert's copies, only its first copies in rank order share its
+    pairs from other nodes; the rest keep theirs."""
+    import jtopoep.planners.routing as routing
+    import test_routing
+
+    monkeypatch.setattr(routing, "LEVEL_MEMBERS", 2)
+    monkeypatch.setattr(test_routing, "LEVEL_MEMBERS", 2)
+    routed = jax.jit(lambda c, s, q: plan_from_quotas(c, s, q, GPUS, True, level=True))
+    capped = 0
+    for seed in range(10):
+        counts, slot_expert, quota, _ = random_layout(seed)
+        want = reference_route(counts, slot_expert, quota, True, True)
+        np.testing.assert_array_equal(np.asarray(routed(counts, slot_expert, quota).route), want)
+        np.testing.assert_array_equal(plan_from_quotas(counts, slot_expert, quota, GPUS, True, np, level=True).route,
+                                      want)
+        capped += (np.bincount(slot_expert[slot_expert >= 0]) > 2).any()
+    assert capped  # some expert had more copies than were levelled
 
 
 def test_tiered_routing_feeds_copies_from_their_own_node_first():
@@ -267,3 +332,25 @@ def test_node_pairs_go_to_the_copy_that_would_receive_most_across_nodes():
                   np.asarray(jax.jit(lambda c, s, q: plan_from_quotas(c, s, q, GPUS, True).route)(counts, slot_expert, quota))):
         assert route[2:4, 0, 0].sum() == 30 and route[2:4, 1, 2].sum() == 0
         assert route[4:, 0, 0].sum() == 30 and route[4:, 1, 2].sum() == 30
+
+
+def test_levelling_shares_an_experts_pairs_from_other_nodes_by_the_ranks_receive():
+    """Expert 0 lives on rank 0 with a guest copy on rank 1 (node 0); all its 160 pairs come from
+    node 1, the home slot taking 120 and the guest 40. Rank 1 also receives expert 2's 20 pairs
+    from node 1. As quoted, rank 0 receives 120 across nodes and rank 1 60. Levelled, the two
+    receive 90 each (home 90, guest 70), and neither rank's load rises above the 120 the busiest
+    had."""
+    counts = np.zeros((RANKS, EXPERTS), np.int32)
+    counts[4:, 0], counts[4:, 2] = 40, 5
+    slot_expert = np.concatenate([np.arange(EXPERTS).reshape(RANKS, -1), np.full((RANKS, GUESTS), -1)], axis=1)
+    slot_expert[1, 2] = 0
+    quota = np.zeros_like(slot_expert)
+    quota[0, 0], quota[1, 2], quota[1, 0] = 120, 40, 20
+    node = np.arange(RANKS) // GPUS
+    for level, home, guest in ((False, 120, 40), (True, 90, 70)):
+        for xp in (np, jnp):
+            route = np.asarray(plan_from_quotas(counts, slot_expert, quota, GPUS, True, xp, level=level).route)
+            assert route[:, 0, 0].sum() == home and route[:, 1, 2].sum() == guest
+            across = np.where(node[:, None] != node[None, :], route.sum(2), 0).sum(0)
+            assert (across[0], across[1]) == (home, guest + 20)
+            assert route.sum((0, 2)).max() <= 120

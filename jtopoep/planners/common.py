@@ -47,6 +47,13 @@ class PlannerBase:
     # where the tracked receives (an estimate of locality-tiered routing) are off by a few percent
     # and many ranks are within that of the largest. Needs dims and price_transfers.
     exchange_credit: float = 0.25
+    # Locality-tiered routing (topoep, taot) re-divides the pairs each expert sends across nodes
+    # among its copies to level the ranks' scale-out receive (routing.level_receive), raising ranks
+    # up to the busiest rank's load but not past it, so the GEMM term stays. From benchmarks.cluster
+    # (K = 2, topoep at 265 us): 92.7/89.6/82.1/92.2% of ideal's gain without, 93.4/91.3/83.7/93.0%
+    # with, and 68.5 -> 73.3% on Mixtral at half the inter-node bandwidth. Capped at T* instead of
+    # the busiest rank's load, it gained almost nothing. False keeps every slot at its quota.
+    level_receive: bool = True
 
     def __post_init__(self):
         ranks = self.topology.num_ranks

@@ -137,4 +137,5 @@ def finish_plan(planner: PlannerBase, counts, placement, state: CopyState, cand)
     if planner.dims is not None:
         guests, quotas = locality_swaps(counts, placement, guests, quotas, cand, planner.topology, planner.dims)
     slot_expert, quota = guest_quotas_to_slots(placement, guests, quotas, counts.sum(0))
-    return plan_from_quotas(counts, slot_expert, quota, planner.topology.gpus_per_node, True, jnp, experts=cand)
+    return plan_from_quotas(counts, slot_expert, quota, planner.topology.gpus_per_node, True, jnp, experts=cand,
+                            level=planner.level_receive)

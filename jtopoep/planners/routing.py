@@ -77,8 +77,9 @@ def top_up(amount, room, total, xp=jnp):
 def node_shares(counts, slot_expert, supply, room, real, compact_expert, home_rank, gpus_per_node: int,
                 xp=jnp):
     """([R, X] pairs each copy takes from its own node, [R, X] pairs each source gives to its own
-    node's copies), for X experts with copies by compact id: the node keeps min(its supply, its
-    copies' room) of each, and these choose who takes and who gives them.
+    node's copies, [R] pairs each rank receives across nodes for the experts without copies), for X
+    experts with copies by compact id: the node keeps min(its supply, its copies' room) of each,
+    and the first two choose who takes and who gives them.
 
     The exchange waits for the rank that receives the most pairs across nodes, and for the one
     that sends the most. A rank receives across nodes what its slots take beyond their own node's
@@ -139,11 +140,77 @@ def node_shares(counts, slot_expert, supply, room, real, compact_expert, home_ra
         # As a loop XLA:CPU compiles the rounds into one kernel (jtopoep.xla_cpu's small-loop
         # limit), where as some twenty kernels apiece their dispatch cost more than their work.
         shares = jax.lax.fori_loop(0, BALANCE_ROUNDS, relax, shares)
-    return shares[:nodes].reshape(num_ranks, num_ids), shares[nodes:].reshape(num_ranks, num_ids)
+    return shares[:nodes].reshape(num_ranks, num_ids), shares[nodes:].reshape(num_ranks, num_ids), fixed_receive
 
 
-def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: bool, xp=jnp, experts=None) -> Plan:
-    """The plan for given slot contents and per-slot quotas: every slot takes exactly its quota.
+# Rounds of level_receive's relaxation. On the cluster projection's layers (benchmarks.cluster's
+# traces, topoep's plans) two rounds levelled the scale-out receive better than one on
+# DeepSeek-V2-Lite (exchange -3.2 ms a step against -2.6) and as well elsewhere; as a loop, XLA:CPU
+# runs them as one kernel (see BALANCE_ROUNDS).
+LEVEL_ROUNDS = 2
+# Copies per expert that level_receive re-divides (the first ones in rank order; any further copies
+# keep what they take). Filling over every rank instead cost topoep about 60 us on this CPU; the
+# hottest experts of the cluster projection's traces have at most 7 copies at K = 2.
+LEVEL_MEMBERS = 8
+
+
+def level_receive(cross, present, fixed, load, xp=jnp):
+    """[R, X] pairs each rank's copy of each expert takes from other nodes, re-divided among the
+    expert's copies so that the ranks' scale-out receive is as level as their load allows.
+
+    After the node tier every copy's remaining quota is filled from other nodes, so a rank receives
+    across nodes `fixed` (its experts without copies) plus what its copies take there, and the
+    exchange waits for the rank that receives the most. An expert's copies can share its pairs
+    from other nodes in any proportion: each round water-fills every expert's total over its first
+    LEVEL_MEMBERS copies against the ranks' receive without it, as node_shares does within a node.
+    A copy may take more only as far as its rank's load stays at or below the busiest rank's,
+    which sets the GEMM term: each rank's slack below it is split evenly among its copies. Totals
+    per expert are kept, so every pair still lands; a rank's load changes by what its copies give
+    up or take on.
+
+    cross [R, X]: pairs from other nodes per (rank, expert with copies); present [R, X]: the rank
+    holds a copy; fixed [R]; load [R]: pairs of all of each rank's slots."""
+    num_ranks, num_ids = cross.shape
+    top = load.max()
+    copies = xp.maximum(present.sum(1), 1)
+    # The copies of x on ranks up to each, [R, X]; member m of x is its copy number m + 1, on the
+    # rank that is the number of ranks with at most m copies up to them, [M, X] (R where none).
+    order = xp.cumsum(present.astype(xp.int32), axis=0)
+    rank_of = (order[None, :, :] <= xp.arange(LEVEL_MEMBERS)[:, None, None]).sum(1)
+    is_member = rank_of < num_ranks
+    rank_of = xp.minimum(rank_of, num_ranks - 1)
+    ids = xp.arange(num_ids)[None, :]
+    # Each copy's member number, to read its new share back: a gather, not a scatter.
+    levelled = present & (order <= LEVEL_MEMBERS)
+    number = xp.minimum(order, LEVEL_MEMBERS) - 1
+
+    def relax(_, carry):
+        cross, load = carry
+        receive = fixed + cross.sum(1)
+        mine = xp.where(is_member, cross[rank_of, ids], 0)  # [M, X]
+        # water_fill levels what the members are left with, height - amount: with each rank's
+        # receive without this expert negated, that is levelling the receive with it. A missing
+        # member repeats the first one's height with no room: no new break, no share.
+        depth = mine - receive[rank_of]
+        depth = xp.where(is_member, depth, depth[:1])
+        room = xp.where(is_member, mine + ((top - load) // copies)[rank_of], 0)
+        total = mine.sum(0)[None, :]
+        new = top_up(water_fill(depth[None], room[None], total, xp), room[None], total, xp)[0]
+        cross_new = xp.where(levelled, new[xp.maximum(number, 0), ids], cross)
+        return cross_new, load + (cross_new - cross).sum(1)
+
+    if xp is np:
+        carry = (cross, load)
+        for i in range(LEVEL_ROUNDS):
+            carry = relax(i, carry)
+        return carry[0]
+    return jax.lax.fori_loop(0, LEVEL_ROUNDS, relax, (cross, load))[0]
+
+
+def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: bool, xp=jnp, experts=None,
+                     level: bool = False) -> Plan:
+    """The plan for given slot contents and per-slot quotas: every slot takes exactly its quota
+    (with level=True, see below).
 
     Greedy transport by interval overlap, per expert: lay its sources (rank order) and its copies
     (rank order) end to end on one line each, by prefix sums, and send along the overlap of their
@@ -161,7 +228,11 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     experts: optional [C] distinct expert ids among which every guest copy's expert is (a copy
     loop's candidates). Then the home slots listed are those C, m = R * K + C, and no pairwise
     search for the distinct guest experts is needed: with C = R and K = 2, a quarter fewer entries.
-    The plan is the same either way."""
+    The plan is the same either way.
+
+    level (with tiered): after the node tier, the pairs each expert sends across nodes are re-divided
+    among its copies by level_receive, which levels the ranks' scale-out receive; the slots' quotas
+    then change, but no rank's load rises above the busiest rank's and every pair still lands."""
     num_ranks, num_experts = counts.shape
     num_slots = slot_expert.shape[1]
     home = num_experts // num_ranks
@@ -225,8 +296,8 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
         home_rank = _nonnegative_div(home_slot, num_slots, xp)
         # Only experts with guests are shared out: a listed expert without any goes home whole,
         # as it would unlisted, so listing one changes nothing.
-        take, give = node_shares(counts, slot_expert, supply, room, has_guests, compact_expert, home_rank,
-                                 gpus_per_node, xp)
+        take, give, fixed_receive = node_shares(counts, slot_expert, supply, room, has_guests, compact_expert,
+                                                home_rank, gpus_per_node, xp)
         share = xp.where(valid, take[rank, safe], 0)  # [m]
         own = xp.minimum(share, give[rank, safe])
         src = node[:, None] * gpus_per_node + xp.arange(gpus_per_node)[None, :]  # [m, G]
@@ -238,6 +309,12 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
         supply = supply - scatter_add((num_ranks, num_ids), (src, xp.broadcast_to(safe[:, None], src.shape)),
                                       in_node, xp)
         capacity = capacity - in_node.sum(1)
+        if level:
+            shared = valid & has_guests[safe]  # copies of experts with guests
+            cross = scatter_add((num_ranks, num_ids), (rank, safe), xp.where(shared, capacity, 0), xp)
+            present = scatter_add((num_ranks, num_ids), (rank, safe), shared.astype(xp.int32), xp) > 0
+            cross = level_receive(cross, present, fixed_receive, quota.sum(1).astype(xp.int32), xp)
+            capacity = xp.where(shared, cross[rank, safe], capacity)
         same_node = (sources // gpus_per_node)[:, None] == node[None, :]
         flow = flow + xp.where(same_node, in_node.T[sources % gpus_per_node], 0)
     supply = supply[:, safe]  # [R, m]
