@@ -149,8 +149,8 @@ def node_shares(counts, slot_expert, supply, room, real, compact_expert, home_ra
 # runs them as one kernel (see BALANCE_ROUNDS).
 LEVEL_ROUNDS = 2
 # Copies per expert that level_receive re-divides (the first ones in rank order; any further copies
-# keep what they take). Filling over every rank instead cost topoep about 60 us on this CPU; the
-# hottest experts of the cluster projection's traces have at most 7 copies at K = 2.
+# keep what they take). Filling over every rank instead gave the same cluster projections (K = 2,
+# four models, both bandwidths tried) and cost topoep about 60 us more on this CPU.
 LEVEL_MEMBERS = 8
 
 
