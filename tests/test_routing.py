@@ -347,6 +347,8 @@ def test_levelling_shares_an_experts_pairs_from_other_nodes_by_the_ranks_receive
     quota = np.zeros_like(slot_expert)
     quota[0, 0], quota[1, 2], quota[1, 0] = 120, 40, 20
     node = np.arange(RANKS) // GPUS
+    with pytest.raises(ValueError, match="needs tiered=True"):
+        plan_from_quotas(counts, slot_expert, quota, GPUS, False, np, level=True)
     for level, home, guest in ((False, 120, 40), (True, 90, 70)):
         for xp in (np, jnp):
             route = np.asarray(plan_from_quotas(counts, slot_expert, quota, GPUS, True, xp, level=level).route)

@@ -154,8 +154,10 @@ def copy_exposure(clock: TransferClock, home, dest, link, moved_fwd_s):
     at_dest = clock.seconds if dest is None else clock.seconds[:, dest]
     across = clock.node[home] != (clock.node if dest is None else clock.node[dest])
     nvlink, scale_out = jnp.where(across, 0.0, link), jnp.where(across, link, 0.0)
-    home_busy = jnp.maximum(jnp.maximum(at_home[0] + nvlink, at_home[1] + scale_out), jnp.maximum(at_home[2], at_home[3]))
-    dest_busy = jnp.maximum(jnp.maximum(at_dest[0], at_dest[1]), jnp.maximum(at_dest[2] + nvlink, at_dest[3] + scale_out))
+    home_busy = jnp.maximum(jnp.maximum(at_home[0] + nvlink, at_home[1] + scale_out),
+                            jnp.maximum(at_home[2], at_home[3]))
+    dest_busy = jnp.maximum(jnp.maximum(at_dest[0], at_dest[1]),
+                            jnp.maximum(at_dest[2] + nvlink, at_dest[3] + scale_out))
     home_fwd, home_bwd = _exposed(home_busy, at_home[4] - moved_fwd_s)
     dest_fwd, dest_bwd = _exposed(dest_busy, at_dest[4])
     return (jnp.maximum(jnp.maximum(home_fwd, dest_fwd) - fwd_max, 0.0)

@@ -66,8 +66,8 @@ def top_up(amount, room, total, xp=jnp):
     fewer short than members with room left; topped up, a node's sources and copies agree on how many
     pairs it keeps, and none crosses nodes for want of rounding. The members with room up to each one
     are counted by cumsum, which XLA:CPU lowers to one reduce-window kernel costing G^2 per column:
-    nothing for the few GPUs of a node, and about 5% of topoep's latency less than the product with
-    a [G, G] triangle of ones this used before (a dot, with its transposes)."""
+    nothing for the few GPUs of a node, and about 5% of topoep's latency less than a product with a
+    [G, G] triangle of ones (a dot, with its transposes)."""
     short = total - amount.sum(1)
     has_room = amount < room
     order = xp.cumsum(has_room.astype(xp.int32), axis=1)  # members with room up to each
@@ -143,10 +143,10 @@ def node_shares(counts, slot_expert, supply, room, real, compact_expert, home_ra
     return shares[:nodes].reshape(num_ranks, num_ids), shares[nodes:].reshape(num_ranks, num_ids), fixed_receive
 
 
-# Rounds of level_receive's relaxation. On the cluster projection's layers (benchmarks.cluster's
-# traces, topoep's plans) two rounds levelled the scale-out receive better than one on
-# DeepSeek-V2-Lite (exchange -3.2 ms a step against -2.6) and as well elsewhere; as a loop, XLA:CPU
-# runs them as one kernel (see BALANCE_ROUNDS).
+# Rounds of level_receive's relaxation. In a NumPy prototype on the cluster projection's layers
+# (benchmarks.cluster's traces, topoep's plans) two rounds levelled the scale-out receive better
+# than one on DeepSeek-V2-Lite (exchange -3.2 ms a step against -2.6) and as well elsewhere; as a
+# loop, XLA:CPU runs them as one kernel (see BALANCE_ROUNDS).
 LEVEL_ROUNDS = 2
 # Copies per expert that level_receive re-divides (the first ones in rank order; any further copies
 # keep what they take). Filling over every rank instead gave the same cluster projections (K = 2,
@@ -233,6 +233,8 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     level (with tiered): after the node tier, the pairs each expert sends across nodes are re-divided
     among its copies by level_receive, which levels the ranks' scale-out receive; the slots' quotas
     then change, but no rank's load rises above the busiest rank's and every pair still lands."""
+    if level and not tiered:
+        raise ValueError("level=True levels what the locality tiers leave to cross nodes; it needs tiered=True")
     num_ranks, num_experts = counts.shape
     num_slots = slot_expert.shape[1]
     home = num_experts // num_ranks
