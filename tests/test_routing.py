@@ -7,8 +7,8 @@ import pytest
 
 from jtopoep.plan import check_plan
 from jtopoep.planners.common import spill_per_expert
-from jtopoep.planners.routing import (BALANCE_ROUNDS, LEVEL_MEMBERS, LEVEL_ROUNDS, plan_from_quotas, top_up,
-                                      water_fill)
+from jtopoep.planners import routing
+from jtopoep.planners.routing import BALANCE_ROUNDS, LEVEL_ROUNDS, plan_from_quotas, top_up, water_fill
 
 RANKS, EXPERTS, GUESTS, GPUS = 8, 16, 2, 4  # two nodes of four ranks
 
@@ -89,7 +89,7 @@ def reference_level(cross, counts, slot_expert, quota):
     load = [int(quota[d].sum()) for d in range(RANKS)]
     top = max(load)
     experts = sorted({int(slot_expert[c]) for c in cross})
-    members = {e: sorted(c for c in cross if slot_expert[c] == e)[:LEVEL_MEMBERS] for e in experts}
+    members = {e: sorted(c for c in cross if slot_expert[c] == e)[:routing.LEVEL_MEMBERS] for e in experts}
     copies = [max(sum(1 for c in cross if c[0] == d), 1) for d in range(RANKS)]
     for _ in range(LEVEL_ROUNDS):
         receive = [fixed[d] + sum(v for c, v in cross.items() if c[0] == d) for d in range(RANKS)]
@@ -224,11 +224,7 @@ def test_plan_from_quotas_matches_loop_reference(tiered, level):
 def test_levelling_only_the_first_copies_matches_loop_reference(monkeypatch):
     """With LEVEL_MEMBERS below an expert's copies, only its first copies in rank order share its
     pairs from other nodes; the rest keep theirs."""
-    import jtopoep.planners.routing as routing
-    import test_routing
-
     monkeypatch.setattr(routing, "LEVEL_MEMBERS", 2)
-    monkeypatch.setattr(test_routing, "LEVEL_MEMBERS", 2)
     routed = jax.jit(lambda c, s, q: plan_from_quotas(c, s, q, GPUS, True, level=True))
     capped = 0
     for seed in range(10):

@@ -21,6 +21,7 @@ import numpy as np
 from jtopoep.ordering import first_argmax, first_argmin
 from jtopoep.plan import Plan, home_rank_of_experts
 from jtopoep.planners.common import PlannerBase, carry_like, even_quotas, holds_home
+from jtopoep.planners.loops import repeat
 from jtopoep.planners.routing import plan_from_quotas
 
 
@@ -58,11 +59,7 @@ def eplb_slots(counts, placement, guest_slots: int, min_pairs: float, xp):
         return guests, copies, used, holds
 
     state = carry_like(state, counts)
-    if xp is np:
-        for i in range(num_ranks * guest_slots):
-            state = step(i, state)
-    else:
-        state = jax.lax.fori_loop(0, num_ranks * guest_slots, step, state)
+    state = repeat(step, num_ranks * guest_slots, state, xp)
     slot_expert = xp.concatenate([placement, state[0]], axis=1).astype(xp.int32)
     return slot_expert, even_quotas(slot_expert, loads, xp)
 

@@ -12,6 +12,7 @@ the work is done changes nothing, so the two forms give the same plan bit for bi
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 # Platforms where the loop exits early. Elsewhere it runs its full static trip count.
 EARLY_EXIT_PLATFORMS: tuple[str, ...] = ("cpu",)
@@ -32,3 +33,15 @@ def step_until_done(step, carry, count, bound: int):
 
     platforms = {name: early for name in EARLY_EXIT_PLATFORMS}
     return jax.lax.platform_dependent(carry, default=fixed, **platforms)
+
+
+def repeat(body, times: int, carry, xp):
+    """body(i, carry) applied `times` times: a Python loop on NumPy arrays (xp is np), else a
+    fori_loop with a static trip count, which runs on the device alone and which XLA:CPU compiles
+    into one kernel (jtopoep.xla_cpu's small-loop limit) where as separate kernels per step their
+    dispatch would cost more than their work. A trip count of one XLA inlines all the same."""
+    if xp is np:
+        for i in range(times):
+            carry = body(i, carry)
+        return carry
+    return jax.lax.fori_loop(0, times, body, carry)

@@ -12,6 +12,7 @@ import numpy as np
 from jtopoep.ordering import first_argmax
 from jtopoep.plan import Plan
 from jtopoep.planners.common import prefix_sum, scatter_add, scatter_set
+from jtopoep.planners.loops import repeat
 
 
 def _overlap(s_hi, supply, c_hi, capacity, xp):
@@ -133,13 +134,7 @@ def node_shares(counts, slot_expert, supply, room, real, compact_expert, home_ra
         halfway = xp.concatenate([filled[:nodes], (shares[nodes:] + filled[nodes:]) // 2])
         return top_up(halfway, limit, kept, xp)
 
-    if xp is np:
-        for i in range(BALANCE_ROUNDS):
-            shares = relax(i, shares)
-    else:
-        # As a loop XLA:CPU compiles the rounds into one kernel (jtopoep.xla_cpu's small-loop
-        # limit), where as some twenty kernels apiece their dispatch cost more than their work.
-        shares = jax.lax.fori_loop(0, BALANCE_ROUNDS, relax, shares)
+    shares = repeat(relax, BALANCE_ROUNDS, shares, xp)  # one kernel on CPU, not some twenty a round
     return shares[:nodes].reshape(num_ranks, num_ids), shares[nodes:].reshape(num_ranks, num_ids), fixed_receive
 
 
@@ -199,12 +194,7 @@ def level_receive(cross, present, fixed, load, xp=jnp):
         cross_new = xp.where(levelled, new[xp.maximum(number, 0), ids], cross)
         return cross_new, load + (cross_new - cross).sum(1)
 
-    if xp is np:
-        carry = (cross, load)
-        for i in range(LEVEL_ROUNDS):
-            carry = relax(i, carry)
-        return carry[0]
-    return jax.lax.fori_loop(0, LEVEL_ROUNDS, relax, (cross, load))[0]
+    return repeat(relax, LEVEL_ROUNDS, (cross, load), xp)[0]
 
 
 def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: bool, xp=jnp, experts=None,
