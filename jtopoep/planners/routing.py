@@ -175,14 +175,28 @@ def level_receive(cross, present, fixed, load, xp=jnp):
     is_member = rank_of < num_ranks
     rank_of = xp.minimum(rank_of, num_ranks - 1)
     ids = xp.arange(num_ids)[None, :]
-    # Each copy's member number, to read its new share back: a gather, not a scatter.
+    # Each copy's member number, to read its new share back: a gather, not a scatter (which
+    # would keep XLA:CPU from compiling the rounds' loop as one kernel).
     levelled = present & (order <= LEVEL_MEMBERS)
     number = xp.minimum(order, LEVEL_MEMBERS) - 1
 
+    def settle(cross, load, shares):
+        """cross with every levelled copy's share set to its member's entry of shares [M, X], and
+        load changed by what each rank's copies gave up or took on."""
+        settled = xp.where(levelled, shares[xp.maximum(number, 0), ids], cross)
+        return settled, load + (settled - cross).sum(1)
+
+    def members(cross):  # [M, X] each member's pairs from other nodes
+        return xp.where(is_member, cross[rank_of, ids], 0)
+
     def relax(_, carry):
-        cross, load = carry
+        # Each round settles the shares the round before found, then fills anew. The shares travel
+        # to the next round in the loop's state: read back by a gather in the round that fills
+        # them, XLA fused the whole fill into every element of that gather (topoep 8 us slower).
+        cross, load, shares = carry
+        cross, load = settle(cross, load, shares)
         receive = fixed + cross.sum(1)
-        mine = xp.where(is_member, cross[rank_of, ids], 0)  # [M, X]
+        mine = members(cross)
         # water_fill levels what the members are left with, height - amount: with each rank's
         # receive without this expert negated, that is levelling the receive with it. A missing
         # member repeats the first one's height with no room: no new break, no share.
@@ -190,11 +204,11 @@ def level_receive(cross, present, fixed, load, xp=jnp):
         depth = xp.where(is_member, depth, depth[:1])
         room = xp.where(is_member, mine + ((top - load) // copies)[rank_of], 0)
         total = mine.sum(0)[None, :]
-        new = top_up(water_fill(depth[None], room[None], total, xp), room[None], total, xp)[0]
-        cross_new = xp.where(levelled, new[xp.maximum(number, 0), ids], cross)
-        return cross_new, load + (cross_new - cross).sum(1)
+        return cross, load, top_up(water_fill(depth[None], room[None], total, xp), room[None], total, xp)[0]
 
-    return repeat(relax, LEVEL_ROUNDS, (cross, load), xp)[0]
+    # The members' own shares settle to cross unchanged, so the first round starts from cross.
+    cross, load, shares = repeat(relax, LEVEL_ROUNDS, (cross, load, members(cross)), xp)
+    return settle(cross, load, shares)[0]
 
 
 def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: bool, xp=jnp, experts=None,
