@@ -54,32 +54,56 @@ def time_call(fn, arg, repeats: int) -> float:
     return statistics.median(times)
 
 
-def latency(topology, counts, min_gain: float, rounds: int, batch: int = 25) -> dict:
+# Executables per planner that latency() times. Identical programs compiled separately do not run
+# equally fast here: in one process, of eight compilations of topoep (the same optimised HLO and
+# buffer assignment, the same temporary and output buffer addresses at run time), one or two took
+# about 190 us a call and the rest 225-245, the difference all in its copy loop's kernel (29 us
+# against 80-90 in a profile); eplb's and taot's compilations stayed within 4% of each other. A
+# figure from one compilation is a draw from that spread, and so is an A/B comparison of two
+# single compilations. Serialising an executable and loading it in another process does not keep
+# its speed, so the cause is where the process puts the executable, not its code; it was not found.
+COMPILES = 4
+
+
+def latency(topology, counts, min_gain: float, rounds: int, batch: int = 25, compiles: int = COMPILES) -> dict:
     """Seconds per call of every planner (jitted) and of eplb_host (with its device copies).
 
-    This machine's speed drifts by tens of percent from one second to the next. The planners take
+    Each jitted planner is compiled `compiles` times into separate executables (see COMPILES).
+    This machine's speed drifts by tens of percent from one second to the next. The executables take
     turns: each round times a batch of back-to-back calls of each (a batch, so each call finds the
-    previous one's code and data warm), and a planner's figure is the median over rounds of its
-    batch means, so a slow spell falls on all of them alike. Each round's ratio of eplb_host to
-    topoep is paired within the round. Returns medians, minima and that ratio's median."""
+    previous one's code and data warm), and a planner's figure is the median over rounds and over its
+    executables of the batch means, so a slow spell falls on all of them alike. Each round's ratio of
+    eplb_host to topoep (its mean over topoep's executables in that round) is paired within the
+    round. Returns medians, minima, each executable's median and that ratio's median."""
     device_counts = jax.device_put(jnp.asarray(counts))
-    fns = {name: jax.jit(make(name, topology, counts.shape[1], 2, min_gain)) for name in PLANNERS}
+    planners = {name: make(name, topology, counts.shape[1], 2, min_gain) for name in PLANNERS}
+    # A new function object per executable: jax.jit caches compilations per function.
+    fns = {(name, i): jax.jit(lambda c, planner=planner: planner(c))
+           for name, planner in planners.items() for i in range(compiles)}
     host = make("eplb", topology, counts.shape[1], 2, min_gain)
-    fns["eplb_host"] = lambda c: eplb_host(host, c)
-    sizes = {name: max(batch // 10, 2) if name == "eplb_host" else batch for name in fns}
+    fns[("eplb_host", 0)] = lambda c: eplb_host(host, c)
+    sizes = {key: max(batch // 10, 2) if key[0] == "eplb_host" else batch for key in fns}
     for fn in fns.values():
         jax.block_until_ready(fn(device_counts))
-    means = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    means = {key: [] for key in fns}
+    for r in range(rounds):
+        for key in (list(fns) if r % 2 else list(fns)[::-1]):
+            fn = fns[key]
             start = time.perf_counter()
-            for _ in range(sizes[name]):
+            for _ in range(sizes[key]):
                 jax.block_until_ready(fn(device_counts))
-            means[name].append((time.perf_counter() - start) / sizes[name])
-    ratio = [h / t for h, t in zip(means["eplb_host"], means["topoep"])]
-    return {"median_s": {k: statistics.median(v) for k, v in means.items()},
-            "min_s": {k: min(v) for k, v in means.items()},
-            "eplb_host_over_topoep": statistics.median(ratio), "rounds": rounds, "batch": batch}
+            means[key].append((time.perf_counter() - start) / sizes[key])
+    by_name = {}
+    for (name, _), values in means.items():
+        by_name.setdefault(name, []).extend(values)
+    topoep_rounds = [statistics.mean(means[("topoep", i)][r] for i in range(compiles)) for r in range(rounds)]
+    ratio = [h / t for h, t in zip(means[("eplb_host", 0)], topoep_rounds)]
+    return {"median_s": {k: statistics.median(v) for k, v in by_name.items()},
+            "min_s": {k: min(v) for k, v in by_name.items()},
+            "per_compile_median_s": {name: [statistics.median(means[(name, i)]) for i in range(compiles)]
+                                     for name in planners},
+            "eplb_host_over_topoep": statistics.median(ratio), "rounds": rounds, "batch": batch,
+            "compiles": compiles}
 
 
 def set_cpu_dispatch(asynchronous: bool) -> None:
@@ -240,12 +264,15 @@ def floor_table(rows: list[dict]) -> list[str]:
 def markdown(results: dict) -> str:
     lines = []
     lat, method = results["latency_us"], results["latency_method"]
-    lines.append(f"Planning latency, R = 32, E = 256, K = 2, jitted, on this machine ({results['device']}): the "
-                 f"median over {method['rounds']} interleaved rounds of each planner's mean call in a batch of "
-                 f"{method['batch']} back-to-back calls (eplb_host: a tenth of that): "
+    lines.append(f"Planning latency, R = 32, E = 256, K = 2, jitted, on this machine ({results['device']}): each "
+                 f"planner compiled {method['compiles']} times into separate executables (COMPILES says why), the "
+                 f"median over {method['rounds']} interleaved rounds and over its executables of the mean call in a "
+                 f"batch of {method['batch']} back-to-back calls (eplb_host: a tenth of that): "
                  + ", ".join(f"{k} {v:.0f} us" for k, v in lat.items())
                  + f"; eplb_host / topoep = {results['eplb_host_over_topoep']:.1f}x (median of the per-round ratios).")
     lines.append("Fastest round: " + ", ".join(f"{k} {v:.0f} us" for k, v in results["latency_min_us"].items()) + ".")
+    lines.append("Each executable's median: " + "; ".join(f"{k} " + ", ".join(f"{v:.0f}" for v in values) + " us"
+                                                       for k, values in results["latency_per_compile_us"].items()) + ".")
     lines.append("Calls run inline on the caller's thread (jax_cpu_enable_async_dispatch=False) and XLA:CPU compiles "
                  "the planners' loops into single kernels and schedules for memory (jtopoep.xla_cpu.configure()), both "
                  "set by the benchmark. "
@@ -322,7 +349,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--one-core", action="store_true",
                         help="run every thread of this process on one core (set before JAX starts its threads)")
     parser.add_argument("--latency-only", action="store_true", help="print latency() as JSON and stop")
-    parser.add_argument("--rounds", type=int, default=None, help="latency rounds (default 200, 8 with --quick)")
+    parser.add_argument("--rounds", type=int, default=None, help="latency rounds (default 100, 8 with --quick)")
     args = parser.parse_args(argv)
     if args.one_core:  # the threads there are now; those JAX starts later inherit it
         core = {min(os.sched_getaffinity(0))}
@@ -333,7 +360,7 @@ def main(argv=None) -> dict:
         xla_cpu.configure(memory_scheduler=not args.small_loops_only)
     set_cpu_dispatch(args.async_dispatch)
     topology = Topology.preset("h800-4x8")
-    rounds = args.rounds or (8 if args.quick else 200)
+    rounds = args.rounds or (8 if args.quick else 100)
     if args.latency_only:
         lat = zipf_latency(topology, args.min_gain, rounds, args.quick)
         print(json.dumps(lat))
@@ -344,7 +371,8 @@ def main(argv=None) -> dict:
     lat = zipf_latency(topology, args.min_gain, rounds, args.quick)
     results["latency_us"] = {k: v * 1e6 for k, v in lat["median_s"].items()}
     results["latency_min_us"] = {k: v * 1e6 for k, v in lat["min_s"].items()}
-    results["latency_method"] = {k: lat[k] for k in ("rounds", "batch")}
+    results["latency_method"] = {k: lat[k] for k in ("rounds", "batch", "compiles")}
+    results["latency_per_compile_us"] = {k: [t * 1e6 for t in v] for k, v in lat["per_compile_median_s"].items()}
     results["eplb_host_over_topoep"] = lat["eplb_host_over_topoep"]
     results["latency_children"] = {mode: latency_in_child(mode, rounds, inherited_flags) for mode in CHILD_MODES}
     for num_experts in (256, 64):
