@@ -18,8 +18,8 @@ cost, its defaults. The DeepSeek-V2-Lite traces hold 3 micro-batches of 32 ranks
 repeats the first (never the one before it).
 Guest weights travel in the layer's default slices of the hidden width (moe.guest_weight_chunks),
 priced by costmodel.exposed_weight_seconds.
-Planning latency: the planner benchmark's jitted CPU median in its own configuration (calls inline,
-jtopoep.xla_cpu's settings; benchmarks/results/planners.json), stated as a CPU figure until a GPU
+Planning latency: the planner benchmark's jitted CPU median in its own configuration (calls inline
+on one core, jtopoep.xla_cpu's settings; benchmarks/results/planners.json), stated as a CPU figure until a GPU
 one exists.
 """
 
@@ -225,7 +225,7 @@ def markdown(results: dict) -> str:
     lines = ["Projected from the cost model (jtopoep/costmodel.py) on real routing; guest weights in "
              f"{results['weight_chunks']} slices of the hidden width "
              "(moe.guest_weight_chunks); planning latency is the jitted CPU median from the planner benchmark (its "
-             "configuration: calls inline, jtopoep.xla_cpu's settings). Not GPU measurements.", ""]
+             "configuration: calls inline on one core, jtopoep.xla_cpu's settings). Not GPU measurements.", ""]
     for setting, models in results["settings"].items():
         lines.append(f"### {setting}")
         lines.append("")

@@ -14,6 +14,10 @@ under variants of the cost model (the planners themselves are unchanged; only `t
 - weights behind the dispatch: a rank's guest weights also hide in the idle tail of its dispatch
   exchange (the exchange lasts as long as its busiest rank), which needs the weight fetch and the
   token exchange to run concurrently.
+- chained weights: an expert's copies on other nodes travel along a chain, home -> first guest host
+  -> next, each relay forwarding a slice of the weights as soon as it has it, so each NIC sends a
+  copy once where a hot expert's home sends one per node (the pipelined broadcast of collective
+  libraries); gradients come back along the chain, summed at each relay.
 - inter-node copies at NVLink speed: an upper bound for any way of moving weights across nodes.
 - gradients behind the rest of the backward pass: a guest copy's gradient is only needed by the
   optimizer step, so its return could overlap the backward of the layers below, not only this
@@ -46,7 +50,7 @@ import numpy as np
 
 from benchmarks import cluster
 from jtopoep import xla_cpu
-from jtopoep.costmodel import (EXCHANGES_PER_LAYER, ExpertDims, exchange_seconds_per_rank,
+from jtopoep.costmodel import (EXCHANGES_PER_LAYER, ExpertDims, copy_seconds_per_rank, exchange_seconds_per_rank,
                                exposed_weight_seconds, guest_copy_seconds, slot_forward_seconds,
                                ideal_layer_time, layer_time, link_class, shipped_guest_slots)
 from jtopoep.plan import home_plan
@@ -116,6 +120,51 @@ def relayed_weights(plan, topology, dims, placement, planning_s=0.0, held=None) 
     return _with_weights(times, _exposed(plan, topology, dims, placement, out, back))
 
 
+def chained_transfers(plan, topology: Topology, placement, held=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Guest copies with each expert's copies on other nodes sent along a chain: its home sends the
+    weights to the first of them (in rank order), which forwards them to the next, and so on, each
+    hop across nodes; copies on the home's own node come from the home. A rank that keeps its copy
+    from the step's previous micro-batch (`held`) is left out of the chain (a simplification: it
+    could start one). Returns ([R(sender), R(receiver)] copies sent, [R] the most hops before a rank's last copy arrives, [R] the most hops
+    a rank's gradients wait for behind it in a chain: gradients go back along the chain, summed at
+    each relay)."""
+    gpus = topology.gpus_per_node
+    guests = np.asarray(plan.slot_expert)[:, np.asarray(placement).shape[1]:]
+    sender, shipped = shipped_guest_slots(plan, placement, held)
+    ranks = topology.num_ranks
+    moves = np.zeros((ranks, ranks), np.int64)
+    hops_in, hops_back = np.zeros(ranks), np.zeros(ranks)
+    chains = {}
+    for d, i in zip(*np.nonzero(shipped)):
+        h = sender[d, i]
+        if h // gpus == d // gpus:
+            moves[h, d] += 1
+        else:
+            chains.setdefault((guests[d, i], h), []).append(d)
+    for (_, h), hosts in chains.items():
+        path = [h] + sorted(hosts)
+        for k in range(1, len(path)):
+            moves[path[k - 1], path[k]] += 1
+            hops_in[path[k]] = max(hops_in[path[k]], k - 1)
+            hops_back[path[k - 1]] = max(hops_back[path[k - 1]], len(path) - 1 - k)
+    return moves, hops_in, hops_back
+
+
+def chained_weights(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
+    """Inter-node copies of an expert relayed along a chain of its guest hosts (chained_transfers):
+    each rank's NIC sends a copy once, where the home of a hot expert sends one per node otherwise.
+    The weights travel in dims.weight_chunks slices, so a relay forwards a slice as soon as it has
+    it: each hop before a rank adds one slice's transfer time to when its last copy arrives, and
+    likewise to when a rank's gradients have gone home through the hops behind it."""
+    times = layer_time(plan, topology, dims, placement, planning_s, held)
+    slice_s = dims.expert_bytes / topology.inter_bw / dims.weight_chunks
+    moves, hops_in, _ = chained_transfers(plan, topology, placement, held)
+    out = copy_seconds_per_rank(moves, topology, dims) + hops_in * slice_s
+    every, _, hops_back = chained_transfers(plan, topology, placement)
+    back = copy_seconds_per_rank(every, topology, dims) + hops_back * slice_s
+    return _with_weights(times, _exposed(plan, topology, dims, placement, out, back))
+
+
 def weights_behind_dispatch(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
     """A rank's transfers also hide in the time between its own dispatch ending and the busiest
     rank's (gradients likewise behind the backward exchange)."""
@@ -171,6 +220,7 @@ def kept_gradients_deferred(plan, topology, dims, placement, planning_s=0.0, hel
 
 FETCHED = {"as modelled": layer_time, "whole copies, not slices": whole_copies,
            "weights in 8 slices": in_eight_slices, "weights relayed over the rails": relayed_weights,
+           "inter-node copies relayed along a chain": chained_weights,
            "weights also behind the dispatch": weights_behind_dispatch,
            "inter-node copies at NVLink speed": copies_at_nvlink_speed,
            "gradients behind the rest of the backward": gradients_behind_backward,

@@ -5,7 +5,7 @@ import numpy as np
 
 from benchmarks import cluster, what_if
 from benchmarks.loads import all_families, synthetic_families
-from jtopoep.costmodel import ExpertDims, exchange_seconds_per_rank, layer_time
+from jtopoep.costmodel import ExpertDims, copy_seconds_per_rank, exchange_seconds_per_rank, guest_transfers, layer_time
 from jtopoep.plan import Plan, check_plan, home_plan
 from jtopoep.planners.common import even_quotas
 from jtopoep.planners.eplb import eplb_slots
@@ -102,6 +102,36 @@ def test_relayed_weights_arrive_over_every_rail():
     # Held already: nothing is shipped, nothing arrives.
     held = np.array([[-1], [-1], [0], [-1]], np.int32)
     np.testing.assert_array_equal(what_if.relayed_arrival_seconds(plan, topology, dims, placement, held), 0)
+
+
+def test_chained_weights_send_each_copy_from_the_previous_node():
+    """3 nodes x 2 GPUs, one expert per rank; expert 0 (rank 0) copied to rank 1 (its own node) and
+    to ranks 2 and 4 (nodes 1 and 2). The copy on rank 1 comes from the home over NVLink; across
+    nodes the home sends to rank 2, which forwards to rank 4: every NIC sends at most one copy.
+    Rank 4's copy arrives one slice after rank 2's, and the home's gradients wait one hop for rank
+    4's, summed at rank 2."""
+    topology = Topology(3, 2, intra_bw=100.0, inter_bw=10.0)
+    dims = ExpertDims(d_model=10, expert_hidden=10, bytes_per_element=2, weight_chunks=2)  # 600 bytes
+    placement = np.arange(6).reshape(6, 1)
+    counts = np.array([[12, 1, 1, 1, 1, 1]] * 6, np.int32)
+    slot_expert = np.array([[0, -1], [1, 0], [2, 0], [3, -1], [4, 0], [5, -1]], np.int32)
+    quota = np.array([[18, 0], [6, 18], [6, 18], [6, 0], [6, 18], [6, 0]], np.int32)
+    plan = plan_from_quotas(counts, slot_expert, quota, 2, True, np)
+    check_plan(plan, counts, placement)
+    moves, hops_in, hops_back = what_if.chained_transfers(plan, topology, placement)
+    expected = np.zeros((6, 6), np.int64)
+    expected[0, 1] = expected[0, 2] = expected[2, 4] = 1
+    np.testing.assert_array_equal(moves, expected)
+    np.testing.assert_array_equal(hops_in, [0, 0, 0, 0, 1, 0])
+    np.testing.assert_array_equal(hops_back, [1, 0, 0, 0, 0, 0])
+    # Directly, the home's NIC sends both inter-node copies; chained, one.
+    direct = copy_seconds_per_rank(guest_transfers(plan, placement), topology, dims)
+    chained = copy_seconds_per_rank(moves, topology, dims)
+    assert direct[0] == 2 * 600 / 10 and chained[0] == 600 / 10
+    # Held already on rank 2: the home sends straight to rank 4.
+    held = np.array([[-1], [-1], [0], [-1], [-1], [-1]], np.int32)
+    moves, hops_in, _ = what_if.chained_transfers(plan, topology, placement, held)
+    assert moves[0, 4] == 1 and moves[2, 4] == 0 and hops_in[4] == 0
 
 
 def eplb_plan_on_zipf():
