@@ -151,6 +151,14 @@ def latency_in_child(mode: str, rounds: int, xla_flags: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def pin_to_one_core() -> None:
+    """Every thread of this process on its first allowed core: the threads there are now, and those
+    started later, which inherit it."""
+    core = {min(os.sched_getaffinity(0))}
+    for thread in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(thread), core)
+
+
 def zipf_latency(topology, min_gain: float, rounds: int, quick: bool) -> dict:
     """latency() on the first Zipf 1.0 micro-batch at E = 256, in this process's dispatch mode."""
     counts = synthetic_families(topology.num_ranks, 256, TOKENS_PER_RANK, 4 if quick else 16)["zipf-1.0"][0]
@@ -313,7 +321,7 @@ def markdown(results: dict) -> str:
         lines.append("")
         lines.extend(floor_table(rows))
     if "sweeps" in results:
-        lines.append("### Knob sweeps (E = 256, K = 2)")
+        lines.append("### Knob sweeps (E = 256, K = 2; latency on one core, one compilation each)")
         lines.append("")
         lines.append("| planner | price_transfers | min_gain | load | imbalance median | gap to bound | layer ms | "
                      "inter-node GB |")
@@ -363,10 +371,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--latency-only", action="store_true", help="print latency() as JSON and stop")
     parser.add_argument("--rounds", type=int, default=None, help="latency rounds (default 100, 8 with --quick)")
     args = parser.parse_args(argv)
-    if args.one_core:  # the threads there are now; those JAX starts later inherit it
-        core = {min(os.sched_getaffinity(0))}
-        for thread in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(thread), core)
+    if args.one_core:
+        pin_to_one_core()
     inherited_flags = os.environ.get("XLA_FLAGS", "")
     if not args.xla_defaults:
         xla_cpu.configure(memory_scheduler=not args.small_loops_only)
@@ -391,6 +397,8 @@ def main(argv=None) -> dict:
     results["eplb_host_over_topoep"] = head["eplb_host_over_topoep"]
     results["latency_both_cores"] = lat
     results["latency_children"] = children
+    # The sweeps time taot's Sinkhorn settings; on one core, as the headline (HEADLINE_MODE).
+    pin_to_one_core()
     for num_experts in (256, 64):
         families = all_families(topology.num_ranks, num_experts, TOKENS_PER_RANK, args.quick)
         if num_experts == 256 and not args.quick:
