@@ -136,7 +136,9 @@ def planner_latency(out: dict) -> None:
     same planners and expert shapes), on this machine's default device."""
     topology = Topology.preset("h800-4x8")
     counts = synthetic_families(32, 256, 4096, steps=1)["zipf-1.0"][0]
-    lat = latency(topology, counts, 0.0, rounds=40)
+    # One executable per planner: the spread between compilations (planners.COMPILES) was seen on
+    # XLA:CPU, and four compilations of each planner would spend minutes of the lent device's time.
+    lat = latency(topology, counts, 0.0, rounds=40, compiles=1)
     out["planner_latency_us"] = {"device": jax.devices()[0].device_kind,
                                  **{k: v * 1e6 for k, v in lat["median_s"].items()},
                                  "eplb_host_over_topoep": lat["eplb_host_over_topoep"]}
