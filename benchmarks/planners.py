@@ -397,7 +397,8 @@ def main(argv=None) -> dict:
     results["eplb_host_over_topoep"] = head["eplb_host_over_topoep"]
     results["latency_both_cores"] = lat
     results["latency_children"] = children
-    # The sweeps time taot's Sinkhorn settings; on one core, as the headline (HEADLINE_MODE).
+    # The evaluation and the sweeps run on one core from here: the sweeps time taot's Sinkhorn
+    # settings, measured as the headline is (HEADLINE_MODE).
     pin_to_one_core()
     for num_experts in (256, 64):
         families = all_families(topology.num_ranks, num_experts, TOKENS_PER_RANK, args.quick)

@@ -125,9 +125,9 @@ def chained_transfers(plan, topology: Topology, placement, held=None) -> tuple[n
     weights to the first of them (in rank order), which forwards them to the next, and so on, each
     hop across nodes; copies on the home's own node come from the home. A rank that keeps its copy
     from the step's previous micro-batch (`held`) is left out of the chain (a simplification: it
-    could start one). Returns ([R(sender), R(receiver)] copies sent, [R] the most hops before a rank's last copy arrives, [R] the most hops
-    a rank's gradients wait for behind it in a chain: gradients go back along the chain, summed at
-    each relay)."""
+    could start one). Returns ([R(sender), R(receiver)] copies sent, [R] the most hops before a
+    rank's last copy arrives, [R] the most hops a rank's gradients wait for behind it in a chain:
+    gradients go back along the chain, summed at each relay)."""
     gpus = topology.gpus_per_node
     guests = np.asarray(plan.slot_expert)[:, np.asarray(placement).shape[1]:]
     sender, shipped = shipped_guest_slots(plan, placement, held)
@@ -158,9 +158,10 @@ def chained_weights(plan, topology, dims, placement, planning_s=0.0, held=None) 
     likewise to when a rank's gradients have gone home through the hops behind it."""
     times = layer_time(plan, topology, dims, placement, planning_s, held)
     slice_s = dims.expert_bytes / topology.inter_bw / dims.weight_chunks
-    moves, hops_in, _ = chained_transfers(plan, topology, placement, held)
+    # Every copy's gradients go home, kept or not; the weights go out to the copies shipped.
+    every, every_hops_in, hops_back = chained_transfers(plan, topology, placement)
+    moves, hops_in = (every, every_hops_in) if held is None else chained_transfers(plan, topology, placement, held)[:2]
     out = copy_seconds_per_rank(moves, topology, dims) + hops_in * slice_s
-    every, _, hops_back = chained_transfers(plan, topology, placement)
     back = copy_seconds_per_rank(every, topology, dims) + hops_back * slice_s
     return _with_weights(times, _exposed(plan, topology, dims, placement, out, back))
 
