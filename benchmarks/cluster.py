@@ -19,8 +19,9 @@ repeats the first (never the one before it).
 Guest weights travel in the layer's default slices of the hidden width (moe.guest_weight_chunks),
 priced by costmodel.exposed_weight_seconds.
 Planning latency: the planner benchmark's jitted CPU median in its own configuration (calls inline
-on one core, jtopoep.xla_cpu's settings; benchmarks/results/planners.json), stated as a CPU figure until a GPU
-one exists.
+on one core, jtopoep.xla_cpu's settings; benchmarks/results/planners.json) at the planner shape each
+deployment runs (R, the preset's experts as the planner sees them, K), stated as a CPU figure until a
+GPU one exists.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
+from benchmarks.planners import shape_key
 from jtopoep import traces, xla_cpu
 from jtopoep.config import CONFIG_DIR, ModelConfig, MoEConfig, section_from_dict
 from jtopoep.costmodel import ExpertDims, ideal_layer_time, layer_time
@@ -215,17 +217,33 @@ def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, m
 
 
 def planning_latency(path: pathlib.Path) -> dict:
-    if path.exists():
-        lat = json.loads(path.read_text()).get("latency_us", {})
-        return {k: v * 1e-6 for k, v in lat.items()}
-    raise FileNotFoundError(f"{path} is missing: run python -m benchmarks.planners first (it measures planning latency)")
+    """{shape_key(R, E, K): {planner: seconds}} from the planner benchmark's results."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run python -m benchmarks.planners first (it measures planning "
+                                "latency)")
+    by_shape = json.loads(path.read_text()).get("latency_by_shape_us")
+    if by_shape is None:
+        raise KeyError(f"{path} has no latency_by_shape_us (written before planning latency was measured per planner "
+                       "shape): rerun python -m benchmarks.planners")
+    return {key: {k: v * 1e-6 for k, v in row.items()} for key, row in by_shape.items()}
+
+
+def deployment_latency(latency: dict, model: str, num_ranks: int, guest_slots: int) -> dict:
+    """{planner: seconds} measured at the planner shape the model's deployment runs: its E as the
+    planner sees it (Deployment.num_experts), R and K."""
+    key = shape_key(num_ranks, Deployment(load_model(model), num_ranks).num_experts, guest_slots)
+    if key not in latency:
+        raise ValueError(f"no planning latency measured for {model}'s planner shape {key}; measured: "
+                         f"{sorted(latency)} (benchmarks.planners.SHAPES lists what the planner benchmark times)")
+    return latency[key]
 
 
 def markdown(results: dict) -> str:
     lines = ["Projected from the cost model (jtopoep/costmodel.py) on real routing; guest weights in "
              f"{results['weight_chunks']} slices of the hidden width "
              "(moe.guest_weight_chunks); planning latency is the jitted CPU median from the planner benchmark (its "
-             "configuration: calls inline on one core, jtopoep.xla_cpu's settings). Not GPU measurements.", ""]
+             "configuration: calls inline on one core, jtopoep.xla_cpu's settings) at each deployment's planner shape "
+             "(R, E as the planner sees it, K). Not GPU measurements.", ""]
     for setting, models in results["settings"].items():
         lines.append(f"### {setting}")
         lines.append("")
@@ -323,8 +341,9 @@ def main(argv=None) -> dict:
                "weight_chunks": MoEConfig.guest_weight_chunks,
                "planning_latency_s": latency, "headline": "K=2", "settings": {}}
     for label, topology, k, keep, micro, knobs in settings:
-        results["settings"][label] = {m: project(m, topology, k, latency, micro[m], args.window, args.min_gain, keep,
-                                                 knobs=knobs) for m in models}
+        results["settings"][label] = {m: project(m, topology, k, deployment_latency(latency, m, topology.num_ranks, k),
+                                                 micro[m], args.window, args.min_gain, keep, knobs=knobs)
+                                      for m in models}
         print(label, "done", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cluster.json").write_text(json.dumps(results, indent=1))

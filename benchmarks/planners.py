@@ -65,7 +65,8 @@ def time_call(fn, arg, repeats: int) -> float:
 COMPILES = 4
 
 
-def latency(topology, counts, min_gain: float, rounds: int, batch: int = 25, compiles: int = COMPILES) -> dict:
+def latency(topology, counts, min_gain: float, rounds: int, batch: int = 25, compiles: int = COMPILES,
+            guest_slots: int = 2) -> dict:
     """Seconds per call of every planner (jitted) and of eplb_host (with its device copies).
 
     Each jitted planner is compiled `compiles` times into separate executables (see COMPILES).
@@ -76,11 +77,11 @@ def latency(topology, counts, min_gain: float, rounds: int, batch: int = 25, com
     eplb_host to topoep (its mean over topoep's executables in that round) is paired within the
     round. Returns medians, minima, each executable's median and that ratio's median."""
     device_counts = jax.device_put(jnp.asarray(counts))
-    planners = {name: make(name, topology, counts.shape[1], 2, min_gain) for name in PLANNERS}
+    planners = {name: make(name, topology, counts.shape[1], guest_slots, min_gain) for name in PLANNERS}
     # A new function object per executable: jax.jit caches compilations per function.
     fns = {(name, i): jax.jit(lambda c, planner=planner: planner(c))
            for name, planner in planners.items() for i in range(compiles)}
-    host = make("eplb", topology, counts.shape[1], 2, min_gain)
+    host = make("eplb", topology, counts.shape[1], guest_slots, min_gain)
     fns[("eplb_host", 0)] = lambda c: eplb_host(host, c)
     sizes = {key: max(batch // 10, 2) if key[0] == "eplb_host" else batch for key in fns}
     for fn in fns.values():
@@ -139,11 +140,11 @@ CHILD_MODES = {
 }
 
 
-def latency_in_child(mode: str, rounds: int, xla_flags: str) -> dict:
+def latency_in_child(mode: str, rounds: int, xla_flags: str, shapes: bool = False) -> dict:
     """latency() in a fresh process in another configuration (CHILD_MODES): neither JAX's dispatch
     mode nor XLA's flags can change once a process has started JAX. `xla_flags` is XLA_FLAGS as this
-    process found it, before jtopoep.xla_cpu.configure()."""
-    flags = ["--latency-only", f"--rounds={rounds}"]
+    process found it, before jtopoep.xla_cpu.configure(). shapes: shape_latency() instead."""
+    flags = ["--latency-shapes" if shapes else "--latency-only", f"--rounds={rounds}"]
     flags.append("--" + mode.replace("_", "-"))
     out = subprocess.run([sys.executable, "-m", "benchmarks.planners", *flags], check=True, capture_output=True,
                          text=True, cwd=pathlib.Path(__file__).resolve().parents[1],
@@ -159,10 +160,28 @@ def pin_to_one_core() -> None:
         os.sched_setaffinity(int(thread), core)
 
 
-def zipf_latency(topology, min_gain: float, rounds: int, quick: bool) -> dict:
-    """latency() on the first Zipf 1.0 micro-batch at E = 256, in this process's dispatch mode."""
-    counts = synthetic_families(topology.num_ranks, 256, TOKENS_PER_RANK, 4 if quick else 16)["zipf-1.0"][0]
-    return latency(topology, counts, min_gain, rounds)
+def zipf_latency(topology, min_gain: float, rounds: int, quick: bool, num_experts: int = 256,
+                 guest_slots: int = 2) -> dict:
+    """latency() on the first Zipf 1.0 micro-batch, in this process's dispatch mode."""
+    counts = synthetic_families(topology.num_ranks, num_experts, TOKENS_PER_RANK, 4 if quick else 16)["zipf-1.0"][0]
+    return latency(topology, counts, min_gain, rounds, guest_slots=guest_slots)
+
+
+# The planner shapes (E, K) at R = 32 besides the headline's (256, 2) whose latency the cluster
+# projection charges (benchmarks.cluster.Deployment: Mixtral's 8 experts as 32 slices, DeepSeek-V2-Lite's
+# 64, Qwen1.5-MoE's 60 padded to 64, DeepSeek-V3's 256; K = 1, 2, 4). eplb's work grows with E and K,
+# topoep's copy loop with K: one figure for every shape would misprice both.
+SHAPES = ((32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (64, 4), (256, 1), (256, 4))
+
+
+def shape_key(num_ranks: int, num_experts: int, guest_slots: int) -> str:
+    return f"R={num_ranks}, E={num_experts}, K={guest_slots}"
+
+
+def shape_latency(topology, min_gain: float, rounds: int, quick: bool) -> dict:
+    """zipf_latency() at each of SHAPES, keyed by shape_key()."""
+    return {shape_key(topology.num_ranks, e, k): zipf_latency(topology, min_gain, rounds, quick, e, k)
+            for e, k in SHAPES}
 
 
 def evaluate(topology, families: dict, num_experts: int, guest_slots: int, min_gain: float,
@@ -307,6 +326,16 @@ def markdown(results: dict) -> str:
         lines.append(f"| {CHILD_MODES[mode]} | " + " | ".join(f"{child['median_s'][k] * 1e6:.0f}" for k in names)
                      + f" | {child['eplb_host_over_topoep']:.1f}x |")
     lines.append("")
+    if "latency_by_shape_us" in results:
+        lines.append("The same measurement at the other planner shapes the cluster projection charges (one core, "
+                     "half the rounds; R = 32, E = 256, K = 2 is the headline above):")
+        lines.append("")
+        lines.append("| shape | " + " | ".join(f"{k} us" for k in names) + " | eplb_host / topoep |")
+        lines.append("|---|" + "---|" * (len(names) + 1))
+        for key, row in results["latency_by_shape_us"].items():
+            lines.append(f"| {key} | " + " | ".join(f"{row[k]:.0f}" for k in names)
+                         + f" | {results['eplb_host_over_topoep_by_shape'][key]:.1f}x |")
+        lines.append("")
     for setting, rows in results["settings"].items():
         lines.append(f"### {setting}")
         lines.append("")
@@ -369,6 +398,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--one-core", action="store_true",
                         help="run every thread of this process on one core (set before JAX starts its threads)")
     parser.add_argument("--latency-only", action="store_true", help="print latency() as JSON and stop")
+    parser.add_argument("--latency-shapes", action="store_true",
+                        help="print shape_latency() (every shape of SHAPES) as JSON and stop")
     parser.add_argument("--rounds", type=int, default=None, help="latency rounds (default 100, 8 with --quick)")
     args = parser.parse_args(argv)
     if args.one_core:
@@ -381,6 +412,10 @@ def main(argv=None) -> dict:
     rounds = args.rounds or (8 if args.quick else 100)
     if args.latency_only:
         lat = zipf_latency(topology, args.min_gain, rounds, args.quick)
+        print(json.dumps(lat))
+        return lat
+    if args.latency_shapes:
+        lat = shape_latency(topology, args.min_gain, rounds, args.quick)
         print(json.dumps(lat))
         return lat
     results = {"topology": "h800-4x8", "dims": DIMS.__dict__, "tokens_per_rank": TOKENS_PER_RANK,
@@ -397,6 +432,12 @@ def main(argv=None) -> dict:
     results["eplb_host_over_topoep"] = head["eplb_host_over_topoep"]
     results["latency_both_cores"] = lat
     results["latency_children"] = children
+    # Half the headline's rounds: these only price planning in the cluster projection.
+    by_shape = latency_in_child(HEADLINE_MODE, max(rounds // 2, 2), inherited_flags, shapes=True)
+    by_shape[shape_key(topology.num_ranks, 256, 2)] = head
+    keys = [shape_key(topology.num_ranks, e, k) for e, k in sorted(SHAPES + ((256, 2),))]
+    results["latency_by_shape_us"] = {key: {k: v * 1e6 for k, v in by_shape[key]["median_s"].items()} for key in keys}
+    results["eplb_host_over_topoep_by_shape"] = {key: by_shape[key]["eplb_host_over_topoep"] for key in keys}
     # The evaluation and the sweeps run on one core from here: the sweeps time taot's Sinkhorn
     # settings, measured as the headline is (HEADLINE_MODE).
     pin_to_one_core()

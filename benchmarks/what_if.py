@@ -27,6 +27,11 @@ under variants of the cost model (the planners themselves are unchanged; only `t
   kept copy summed on its guest rank and sent home once, not every micro-batch. An upper bound: kept
   copies send no gradients at all.
 
+And one change to the plans, not only their price: copies placed a micro-batch ahead. topoep
+chooses each layer's copies on the previous micro-batch's loads of that layer, so their weights can
+travel before the layer (during its attention), and this micro-batch's pairs are routed over those
+copies; priced with the placement's latency on the critical path and off it.
+
 It also searches for copies the planners do not make: into the free guest slots of topoep's plans, a
 greedy search adds copies that serve one node's own pairs of an expert homed elsewhere, as long as
 the cost model's layer time falls (sampled layers of one micro-batch). That asks whether the planner
@@ -49,11 +54,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import cluster
+from benchmarks.planners import pin_to_one_core, set_cpu_dispatch, time_call
 from jtopoep import xla_cpu
 from jtopoep.costmodel import (EXCHANGES_PER_LAYER, ExpertDims, copy_seconds_per_rank, exchange_seconds_per_rank,
                                exposed_weight_seconds, guest_copy_seconds, slot_forward_seconds,
                                ideal_layer_time, layer_time, link_class, shipped_guest_slots)
-from jtopoep.plan import home_plan
+from jtopoep.plan import check_plan, home_plan
 from jtopoep.planners import get_planner
 from jtopoep.planners.routing import plan_from_quotas
 from jtopoep.topology import Topology
@@ -389,6 +395,106 @@ def routing_bound(sample: SampledLayers, topology: Topology) -> dict:
     return {**total, "layers": sample.layers}
 
 
+def rescaled_quotas(slot_expert, planned_quota, loads, home_slots: int) -> np.ndarray:
+    """int32 [R, S] quotas for slot contents planned on other loads: each guest slot takes the share
+    of its expert's load it was planned to take (floored, exactly: int64), and the home slot the
+    rest, so every pair lands. slot_expert, planned_quota: [R, S] of the plan made ahead; loads:
+    [E] this micro-batch's."""
+    slot_expert = np.asarray(slot_expert)
+    planned = np.asarray(planned_quota).astype(np.int64)
+    loads = np.asarray(loads).astype(np.int64)
+    held = slot_expert >= 0
+    safe = np.maximum(slot_expert, 0)
+    planned_load = np.bincount(safe[held], planned[held], minlength=loads.size).astype(np.int64)
+    guest = held & (np.arange(slot_expert.shape[1]) >= home_slots)[None, :]
+    share = np.where(guest, planned * loads[safe] // np.maximum(planned_load[safe], 1), 0)
+    taken = np.bincount(safe[guest], share[guest], minlength=loads.size).astype(np.int64)
+    quota = np.where(guest, share, np.where(held, loads[safe] - taken[safe], 0))
+    return quota.astype(np.int32)
+
+
+def routing_on_planned_copies(gpus_per_node: int):
+    """jitted (counts, slot_expert, quota) -> the plan with those slot contents and quotas, routed as
+    topoep routes (locality tiers, receive levelled)."""
+    return jax.jit(lambda counts, slot_expert, quota: plan_from_quotas(counts, slot_expert, quota, gpus_per_node,
+                                                                       True, jnp, level=True))
+
+
+def weights_ahead(lead_s: float):
+    """Guest weights fetched `lead_s` seconds before the layer's home GEMMs begin (the copies were
+    chosen a micro-batch ahead, so their weights can travel during the layer's attention); their
+    gradients go home as modelled."""
+    def timing(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
+        times = layer_time(plan, topology, dims, placement, planning_s, held)
+        out, back = guest_copy_seconds(plan, topology, dims, placement, held)
+        home_fwd, guest_fwd = slot_forward_seconds(plan, topology, dims, placement)
+        none = np.zeros_like(out)
+        weights = (exposed_weight_seconds(out, none, home_fwd + lead_s, guest_fwd, dims.weight_chunks)
+                   + exposed_weight_seconds(none, back, home_fwd, guest_fwd, dims.weight_chunks))
+        return _with_weights(times, weights)
+    return timing
+
+
+AHEAD = ("copies planned ahead, as modelled", "and their weights fetched during the attention",
+         "and the placement off the critical path")
+
+
+def placed_ahead(model: str, topology: Topology, mats: np.ndarray, planning: dict, rounds: int = 50) -> dict:
+    """topoep's copies chosen on the previous micro-batch's loads of the same layer (the first
+    micro-batch's on the last one's, standing in for the previous step), this micro-batch's pairs
+    routed over them (routing_on_planned_copies), under three prices: the copies' weights as
+    modelled, and fetched during the layer's attention forward (weights_ahead), both with topoep's
+    whole latency as the planning (the placement and this routing one after another on the device:
+    the same stages topoep runs), and with only the routing's latency (the placement computed off
+    the critical path, e.g. on a side stream while the previous micro-batch computes). Returns
+    cluster.project-style rows for topoep under each, beside `none` and `ideal`, and the routing's
+    latency (plan_from_quotas jitted, in this process: median of `rounds` calls; the rescaling, a
+    few elementwise operations, is left out)."""
+    cfg = cluster.load_model(model)
+    dep = cluster.Deployment(cfg, topology.num_ranks)
+    dims = dep.dims
+    placement = np.arange(dep.num_experts).reshape(topology.num_ranks, -1)
+    home = placement.shape[1]
+    topoep = jax.jit(get_planner("topoep", topology=topology, num_experts=dep.num_experts, guest_slots=2,
+                                 min_gain=0.0, dims=dims))
+    route = routing_on_planned_copies(topology.gpus_per_node)
+    lead = cluster.non_moe_seconds(cfg, topology) / cfg.num_layers / 3.0  # one layer's non-MoE forward
+    prices = dict(zip(AHEAD, ((layer_time, planning["topoep"]), (weights_ahead(lead), planning["topoep"]),
+                              (weights_ahead(lead), None))))
+    terms = ("gemm_s", "exchange_s", "weights_s", "planning_s")
+    totals = {label: dict.fromkeys(terms, 0.0) for label in ("none", "ideal", *prices)}
+    routing_s = None
+    for m in range(len(mats)):
+        for layer in range(mats.shape[1]):
+            counts = dep.expand(mats[m, layer])
+            ahead = jax.device_get(topoep(dep.expand(mats[m - 1, layer]), placement))
+            quota = rescaled_quotas(ahead.slot_expert, np.asarray(ahead.route).sum(0), counts.sum(0), home)
+            args = (jnp.asarray(counts), jnp.asarray(ahead.slot_expert), jnp.asarray(quota))
+            plan = jax.device_get(route(*args))
+            if routing_s is None:
+                routing_s = time_call(lambda a: route(*a), args, rounds)
+            check_plan(plan, counts, placement)
+            for label, (timing, planning_s) in prices.items():
+                t = timing(plan, topology, dims, placement, routing_s if planning_s is None else planning_s)
+                for k in terms:
+                    totals[label][k] += t[k]
+            for label, t in (("none", layer_time(home_plan(counts, placement, 0), topology, dims, placement)),
+                             ("ideal", ideal_layer_time(home_plan(jnp.asarray(counts), jnp.asarray(placement), 0),
+                                                        topology, dims))):
+                for k in terms:
+                    totals[label][k] += t[k]
+    non_moe = cluster.non_moe_seconds(cfg, topology)
+    rows = {}
+    for label, per in totals.items():
+        step_s = sum(per.values()) / len(mats) + non_moe
+        rows[label] = {**{k: v / len(mats) for k, v in per.items()}, "step_s": step_s,
+                       "tokens_per_s": cluster.TOKENS_PER_GPU * topology.num_ranks / step_s}
+    base, ideal_gain = rows["none"]["tokens_per_s"], rows["ideal"]["tokens_per_s"] / rows["none"]["tokens_per_s"] - 1
+    for row in rows.values():
+        row["share_of_ideal_gain"] = (row["tokens_per_s"] / base - 1) / ideal_gain
+    return {"rows": rows, "routing_latency_s": routing_s}
+
+
 def markdown(results: dict) -> str:
     lines = ["Projected share of `ideal`'s gain over `none` (weights term, ms per step) for the same plans "
              "under other cost-model assumptions (benchmarks/what_if.py says what each assumes). Not the "
@@ -419,6 +525,17 @@ def markdown(results: dict) -> str:
         lines.append(f"| {model} | {1e3 * r['topoep_s']:.2f} | {1e3 * r['best_s']:.2f} | "
                      f"{100 * (r['best_s'] / r['topoep_s'] - 1):+.1f}% | {1e3 * r['ideal_s']:.2f} | "
                      f"{r['topoep_inter_pairs']:,.0f}, {r['best_inter_pairs']:,.0f} |")
+    lines += ["", "### Copies placed a micro-batch ahead (topoep, K = 2)", "",
+              "topoep's copies chosen on the previous micro-batch's loads of each layer, this micro-batch's pairs "
+              "routed over them with the planned shares rescaled to its loads (placed_ahead). Share of ideal's "
+              "gain (weights ms, planning ms per step):", "",
+              "| model | topoep as in cluster.md | " + " | ".join(AHEAD) + " | routing latency us |",
+              "|---|---|" + "---|" * len(AHEAD) + "---|"]
+    for model, r in results["placed_ahead"].items():
+        base = results["projections"][model]["as modelled"]["topoep"]
+        cells = [f"{100 * row['share_of_ideal_gain']:.0f}% ({1e3 * row['weights_s']:.1f}, {1e3 * row['planning_s']:.1f})"
+                 for row in (base, *(r["rows"][label] for label in AHEAD))]
+        lines.append(f"| {model} | " + " | ".join(cells) + f" | {1e6 * r['routing_latency_s']:.0f} |")
     return "\n".join(lines + [""])
 
 
@@ -432,23 +549,29 @@ def main(argv=None) -> dict:
                         help="layers per model in the copy search and the routing bound")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
+    # The routing latency placed_ahead() times is measured as the planner benchmark measures the
+    # planners' (benchmarks.planners.HEADLINE_MODE): calls inline, every thread on one core.
+    pin_to_one_core()
+    set_cpu_dispatch(False)
     xla_cpu.configure()
     topology = Topology.preset(args.topology)
     latency = cluster.planning_latency(RESULTS / "planners.json")
     results = {"topology": args.topology, "keep_microbatches": args.keep_microbatches, "projections": {},
-               "locality_search": {}, "routing_bound": {}}
+               "locality_search": {}, "routing_bound": {}, "placed_ahead": {}}
     for model in args.model or cluster.MODELS:
         mats = cluster.model_traces(model, topology.num_ranks, args.microbatches, None)
         step = cluster.model_traces(model, topology.num_ranks, args.keep_microbatches, None)
         rows = {}
+        planning = cluster.deployment_latency(latency, model, topology.num_ranks, 2)
         for label, timing in FETCHED.items():
-            rows[label] = cluster.project(model, topology, 2, latency, mats, 8, 0.0, timing=timing)
+            rows[label] = cluster.project(model, topology, 2, planning, mats, 8, 0.0, timing=timing)
         for label, timing in KEPT.items():
-            rows[label] = cluster.project(model, topology, 2, latency, step, 8, 0.0, keep_copies=True, timing=timing)
+            rows[label] = cluster.project(model, topology, 2, planning, step, 8, 0.0, keep_copies=True, timing=timing)
         results["projections"][model] = rows
         sample = sample_layers(model, topology, args.sample_layers)
         results["locality_search"][model] = locality_search(sample, topology)
         results["routing_bound"][model] = routing_bound(sample, topology)
+        results["placed_ahead"][model] = placed_ahead(model, topology, mats, planning)
         print(model, "done", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "what_if.json").write_text(json.dumps(results, indent=1))

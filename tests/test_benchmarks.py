@@ -1,5 +1,6 @@
 """The benchmark scripts' building blocks run and produce sane numbers (small cases, no timing)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -164,6 +165,34 @@ def test_what_if_variants_change_only_the_weights_term():
     whole = what_if.whole_copies(plan, topology, dims, placement)["weights_s"]
     eight = what_if.in_eight_slices(plan, topology, dims, placement)["weights_s"]
     assert whole > base["weights_s"] > eight
+
+
+def test_copies_placed_ahead_route_every_pair_of_another_micro_batch():
+    """The copies planned on one micro-batch keep their slots on the next one, each guest slot's quota
+    is its planned share of its expert's new load (on the planned micro-batch itself, the planned
+    quota), and every pair of the next lands (check_plan; the routing's levelling may then move
+    pairs between an expert's copies). Weights fetched ahead of the home
+    GEMMs never cost more than as modelled, and with no lead cost the same."""
+    topology, dims, counts, placement, plan = eplb_plan_on_zipf()
+    later = synthetic_families(16, 32, 512, steps=2)["zipf-1.2"][1]
+    planned = np.asarray(plan.route).sum(0)
+    home = placement.shape[1]
+    np.testing.assert_array_equal(what_if.rescaled_quotas(plan.slot_expert, planned, counts.sum(0), home), planned)
+    quota = what_if.rescaled_quotas(plan.slot_expert, planned, later.sum(0), home)
+    route = what_if.routing_on_planned_copies(topology.gpus_per_node)
+    moved = jax.device_get(route(jnp.asarray(later), jnp.asarray(plan.slot_expert), jnp.asarray(quota)))
+    check_plan(moved, later, placement)
+    np.testing.assert_array_equal(moved.slot_expert, plan.slot_expert)
+    slots = np.asarray(plan.slot_expert)
+    old_load, new_load = counts.sum(0), later.sum(0)
+    for d, j in zip(*np.nonzero(slots[:, 2:] >= 0)):
+        e = slots[d, 2 + j]
+        assert quota[d, 2 + j] == planned[d, 2 + j] * new_load[e] // old_load[e]
+    base = layer_time(plan, topology, dims, placement)
+    same = what_if.weights_ahead(0.0)(plan, topology, dims, placement)
+    assert all(np.isclose(same[k], base[k]) for k in base)
+    ahead = what_if.weights_ahead(1e-3)(plan, topology, dims, placement)
+    assert ahead["weights_s"] < base["weights_s"] and ahead["gemm_s"] == base["gemm_s"]
 
 
 def test_locality_search_adds_copies_that_pay_and_keeps_plans_valid():
