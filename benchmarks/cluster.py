@@ -200,19 +200,23 @@ def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, m
             ideal = ideal_layer_time(home_plan(jnp.asarray(counts), jnp.asarray(placement), 0), topology, dims)
             for k in terms:
                 totals["ideal"][k] += ideal[k]
-    steps = len(mats)
-    non_moe = non_moe_seconds(cfg, topology)
+    return step_rows(totals, len(mats), non_moe_seconds(cfg, topology), topology.num_ranks)
+
+
+def step_rows(totals: dict, steps: int, non_moe: float, num_ranks: int) -> dict:
+    """{row: per-step terms, step time, tokens/s, gain over `none` and share of `ideal`'s gain} from
+    {row: each term summed over `steps` micro-batches}; totals must hold a `none` and an `ideal` row."""
     rows = {}
-    for name in PLANNERS:
-        per_step = {k: v / steps for k, v in totals[name].items()}
+    for name, summed in totals.items():
+        per_step = {k: v / steps for k, v in summed.items()}
         step_s = sum(per_step.values()) + non_moe
         rows[name] = {**per_step, "non_moe_s": non_moe, "step_s": step_s,
-                      "tokens_per_s": TOKENS_PER_GPU * topology.num_ranks / step_s}
+                      "tokens_per_s": TOKENS_PER_GPU * num_ranks / step_s}
     base = rows["none"]["tokens_per_s"]
     ideal_gain = rows["ideal"]["tokens_per_s"] / base - 1
-    for name in PLANNERS:
-        rows[name]["gain_vs_none"] = rows[name]["tokens_per_s"] / base - 1
-        rows[name]["share_of_ideal_gain"] = rows[name]["gain_vs_none"] / ideal_gain if ideal_gain > 0 else 1.0
+    for row in rows.values():
+        row["gain_vs_none"] = row["tokens_per_s"] / base - 1
+        row["share_of_ideal_gain"] = row["gain_vs_none"] / ideal_gain if ideal_gain > 0 else 1.0
     return rows
 
 

@@ -410,12 +410,8 @@ def main(argv=None) -> dict:
     set_cpu_dispatch(args.async_dispatch)
     topology = Topology.preset("h800-4x8")
     rounds = args.rounds or (8 if args.quick else 100)
-    if args.latency_only:
-        lat = zipf_latency(topology, args.min_gain, rounds, args.quick)
-        print(json.dumps(lat))
-        return lat
-    if args.latency_shapes:
-        lat = shape_latency(topology, args.min_gain, rounds, args.quick)
+    if args.latency_only or args.latency_shapes:
+        lat = (shape_latency if args.latency_shapes else zipf_latency)(topology, args.min_gain, rounds, args.quick)
         print(json.dumps(lat))
         return lat
     results = {"topology": "h800-4x8", "dims": DIMS.__dict__, "tokens_per_rank": TOKENS_PER_RANK,

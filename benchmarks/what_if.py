@@ -458,7 +458,8 @@ def placed_ahead(model: str, topology: Topology, mats: np.ndarray, planning: dic
     topoep = jax.jit(get_planner("topoep", topology=topology, num_experts=dep.num_experts, guest_slots=2,
                                  min_gain=0.0, dims=dims))
     route = routing_on_planned_copies(topology.gpus_per_node)
-    lead = cluster.non_moe_seconds(cfg, topology) / cfg.num_layers / 3.0  # one layer's non-MoE forward
+    non_moe = cluster.non_moe_seconds(cfg, topology)
+    lead = non_moe / cfg.num_layers / 3.0  # one layer's non-MoE forward
     prices = dict(zip(AHEAD, ((layer_time, planning["topoep"]), (weights_ahead(lead), planning["topoep"]),
                               (weights_ahead(lead), None))))
     terms = ("gemm_s", "exchange_s", "weights_s", "planning_s")
@@ -483,15 +484,7 @@ def placed_ahead(model: str, topology: Topology, mats: np.ndarray, planning: dic
                                                         topology, dims))):
                 for k in terms:
                     totals[label][k] += t[k]
-    non_moe = cluster.non_moe_seconds(cfg, topology)
-    rows = {}
-    for label, per in totals.items():
-        step_s = sum(per.values()) / len(mats) + non_moe
-        rows[label] = {**{k: v / len(mats) for k, v in per.items()}, "step_s": step_s,
-                       "tokens_per_s": cluster.TOKENS_PER_GPU * topology.num_ranks / step_s}
-    base, ideal_gain = rows["none"]["tokens_per_s"], rows["ideal"]["tokens_per_s"] / rows["none"]["tokens_per_s"] - 1
-    for row in rows.values():
-        row["share_of_ideal_gain"] = (row["tokens_per_s"] / base - 1) / ideal_gain
+    rows = cluster.step_rows(totals, len(mats), non_moe, topology.num_ranks)
     return {"rows": rows, "routing_latency_s": routing_s}
 
 
