@@ -290,7 +290,6 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
         mine = table[xp.minimum(at, num_ranks - 1), safe[:, None]]
         return xp.where(at <= rank[:, None], mine, 0).sum(1)
 
-    sources = xp.arange(num_ranks)
     flow = xp.zeros((num_ranks, m), xp.int32)  # [source, listed slot]
     supply = xp.where((compact_expert >= 0)[None, :], counts[:, xp.maximum(compact_expert, 0)], 0)  # [R, ids]
     if tiered:
@@ -321,8 +320,10 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
             present = scatter_add((num_ranks, num_ids), (rank, safe), shared.astype(xp.int32), xp) > 0
             cross = level_receive(cross, present, fixed_receive, quota.sum(1).astype(xp.int32), xp)
             capacity = xp.where(shared, cross[rank, safe], capacity)
-        same_node = (sources // gpus_per_node)[:, None] == node[None, :]
-        flow = flow + xp.where(same_node, in_node.T[sources % gpus_per_node], 0)
+        # Each source's in-node pairs, [source, listed slot], by a scatter of the [m, G] array: read
+        # back by a gather instead, XLA fused the whole in-node transport into every element of the
+        # anywhere tier below (routing 7% slower on CPU).
+        flow = scatter_add((num_ranks, m), (src, xp.broadcast_to(ids[:, None], src.shape)), in_node, xp)
     supply = supply[:, safe]  # [R, m]
     c_hi = copy_prefix(capacity, xp.zeros_like(rank), num_ranks)
     anywhere = _overlap(prefix_sum(supply, 0, xp), supply, c_hi[None, :], capacity[None, :], xp)
