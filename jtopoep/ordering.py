@@ -49,8 +49,8 @@ def first_argmax(x, axis=None, xp=jnp):
     without NaN. XLA:CPU lowers argmax to a reduction carrying (value, index) pairs that it does not
     vectorise; the maximum, then the least index holding it, are two plain reductions, about 2.5x
     faster on a [32, 32] array inside a loop here, and give the same index. Each reduction reads x,
-    so where x is an expensive expression XLA fuses into both (taot's move score), jnp.argmax, which
-    computes it once, is the faster of the two."""
+    so where x is an expensive expression XLA would fuse into both, materialise it first behind
+    jax.lax.optimization_barrier (taot's move score does)."""
     if xp is np:
         return np.argmax(x, axis=axis)
     return _first_index_of(x, x.max(axis=axis, keepdims=True), axis)
