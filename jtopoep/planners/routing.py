@@ -290,7 +290,6 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
         mine = table[xp.minimum(at, num_ranks - 1), safe[:, None]]
         return xp.where(at <= rank[:, None], mine, 0).sum(1)
 
-    flow = xp.zeros((num_ranks, m), xp.int32)  # [source, listed slot]
     supply = xp.where((compact_expert >= 0)[None, :], counts[:, xp.maximum(compact_expert, 0)], 0)  # [R, ids]
     if tiered:
         # Within the node: how many of the node's pairs each copy takes and each source gives
@@ -324,6 +323,8 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
         # back by a gather instead, XLA fused the whole in-node transport into every element of the
         # anywhere tier below (routing 7% slower on CPU).
         flow = scatter_add((num_ranks, m), (src, xp.broadcast_to(ids[:, None], src.shape)), in_node, xp)
+    else:
+        flow = xp.zeros((num_ranks, m), xp.int32)  # [source, listed slot]: no in-node tier
     supply = supply[:, safe]  # [R, m]
     c_hi = copy_prefix(capacity, xp.zeros_like(rank), num_ranks)
     anywhere = _overlap(prefix_sum(supply, 0, xp), supply, c_hi[None, :], capacity[None, :], xp)
