@@ -206,9 +206,11 @@ def layer_time(plan: Plan, topology: Topology, dims: ExpertDims, placement,
 
 
 def ideal_layer_time(plan: Plan, topology: Topology, dims: ExpertDims) -> dict[str, float]:
-    """The bound no planner can beat without moving home experts: the plan's pairs spread evenly
-    over the ranks (ceil(sum / R) each) and its token traffic of each link class spread evenly too,
-    with no weight transfer and no planning."""
+    """Perfect balance at no cost: the plan's pairs spread evenly over the ranks (ceil(sum / R)
+    each, a bound on the GEMM term no planner can beat without moving home experts) and its token
+    traffic of each link class spread evenly too, with no weight transfer and no planning. Given
+    the home plan, the exchange term is not a bound: copies fed by their own node's pairs take
+    traffic off the scale-out links, and a planner that places them so can beat it."""
     route = np.asarray(plan.route).astype(np.float64)
     num_ranks = route.shape[0]
     rate = topology.flops * topology.mfu

@@ -20,7 +20,8 @@
    a copy into its rank's last free slot that would leave room there takes all of it when free
    slots on ranks with room are fewer than the experts still spilling, which opens room (and free
    slots) on the expert's home rank for the next ones (copies.copy_overshedding);
-4. load-neutral locality swaps fill free slots where they save inter-node bytes (swaps.locality_swaps);
+4. load-neutral locality swaps fill free slots: first with the rank that receives the most across
+   nodes, which sets the exchange term, then where they save inter-node bytes (swaps.locality_swaps);
 5. each home slot keeps what its copies do not take; sources feed copies on their own rank, then
    their own node, then anywhere (routing.plan_from_quotas).
 
