@@ -9,6 +9,7 @@ from jtopoep.plan import check_plan
 from jtopoep.planners.common import spill_per_expert
 from jtopoep.planners import routing
 from jtopoep.planners.routing import BALANCE_ROUNDS, LEVEL_ROUNDS, plan_from_quotas, top_up, water_fill
+from jtopoep.planners.swaps import scale_out_receive
 
 RANKS, EXPERTS, GUESTS, GPUS = 8, 16, 2, 4  # two nodes of four ranks
 
@@ -352,3 +353,26 @@ def test_levelling_shares_an_experts_pairs_from_other_nodes_by_the_ranks_receive
             across = np.where(node[:, None] != node[None, :], route.sum(2), 0).sum(0)
             assert (across[0], across[1]) == (home, guest + 20)
             assert route.sum((0, 2)).max() <= 120
+
+
+def test_scale_out_receive_estimate():
+    """With no copies the estimate is exact: each rank receives across nodes its home experts' pairs
+    from other nodes. A copy on another node, fed by that node's own pairs, takes them off the home's
+    receive, and a copy that takes more than its node has receives the rest from other nodes."""
+    rng = np.random.default_rng(3)
+    num_ranks, gpus, home = 8, 4, 2
+    counts = jnp.asarray(rng.integers(0, 50, (num_ranks, num_ranks * home)), jnp.int32)
+    placement = jnp.arange(num_ranks * home, dtype=jnp.int32).reshape(num_ranks, home)
+    none = jnp.full((num_ranks, 1), -1, jnp.int32)
+    plan = plan_from_quotas(counts, placement, counts.sum(0)[placement], gpus, False)
+    node = np.arange(num_ranks) // gpus
+    across = np.where(node[:, None] != node[None, :], np.asarray(plan.route).sum(2), 0).sum(0)
+    np.testing.assert_array_equal(scale_out_receive(counts, placement, none, jnp.zeros_like(none), gpus), across)
+    # Expert 0 (home rank 0, node 0) copied onto rank 4 (node 1), taking exactly node 1's pairs of it.
+    node1 = int(counts[gpus:, 0].sum())
+    guests, quotas = none.at[4, 0].set(0), jnp.zeros_like(none).at[4, 0].set(node1)
+    with_copy = np.asarray(scale_out_receive(counts, placement, guests, quotas, gpus))
+    assert with_copy[0] == across[0] - node1 and with_copy[4] == across[4]
+    # Taking 10 more than node 1 has: those 10 come from node 0 to rank 4.
+    more = np.asarray(scale_out_receive(counts, placement, guests, quotas.at[4, 0].add(10), gpus))
+    assert more[4] == across[4] + 10 and more[0] == across[0] - node1
