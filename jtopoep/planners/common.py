@@ -126,6 +126,19 @@ def carry_like(state, ref):
     return jax.tree.map(lambda x: x | (zero != 0) if x.dtype == bool else x + zero.astype(x.dtype), state)
 
 
+def set_entry(array, index: tuple, value):
+    """array with the one entry at `index` (a tuple of scalar indices, in bounds) set to value.
+
+    For the loops that change one entry of a state array per step. Written as a masked select over
+    the whole array, (row == r) & (column == c), XLA:CPU updates every entry in place, one byte or
+    word at a time, each step: a [32, 32] bool array cost topoep's copy loop 30 us a call, and in
+    about half of the compilations 80 (its stores stalled the loads beside them, by where the
+    executable's buffers fell). A dynamic_update_slice of one entry writes one, in place; it is no
+    scatter, so the loop still compiles as one kernel (jtopoep.xla_cpu)."""
+    value = jnp.asarray(value, array.dtype).reshape((1,) * array.ndim)
+    return jax.lax.dynamic_update_slice(array, value, index)
+
+
 def holds_home(home_rank, num_ranks: int, xp=jnp):
     """[R, n] True where the rank is the home of each of n experts, given their home ranks [n]."""
     return home_rank[None, :] == xp.arange(num_ranks, dtype=xp.int32)[:, None]

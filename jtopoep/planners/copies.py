@@ -7,7 +7,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from jtopoep.plan import Plan, home_rank_of_experts
-from jtopoep.planners.common import PlannerBase, carry_like, guest_quotas_to_slots, holds_home
+from jtopoep.planners.common import PlannerBase, carry_like, guest_quotas_to_slots, holds_home, set_entry
 from jtopoep.planners.pricing import TransferClock, clock_after_copy, home_exchange_seconds, scale_out_shift
 from jtopoep.planners.routing import plan_from_quotas
 from jtopoep.planners.swaps import locality_swaps
@@ -97,7 +97,7 @@ def make_copy(state: CopyState, e, d, amount, ok, cand, home, link, pair_fwd_s: 
     return state._replace(
         spill=state.spill - jnp.where(is_e, amount, 0),
         ranks=ranks,
-        holds=state.holds | (at_d & is_e[None, :]),
+        holds=set_entry(state.holds, (d, e), state.holds[d, e] | ok),
         clock=clock_after_copy(state.clock, home, d, link, amount.astype(jnp.float32) * pair_fwd_s, ok,
                                *(pair_xchg_s * x for x in scale_out_shift(amount.astype(jnp.float32), *crossing))))
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jtopoep.costmodel import EXCHANGES_PER_LAYER, ExpertDims
 from jtopoep.ordering import descending_key, first_argmax, key_range, stable_order
 from jtopoep.plan import home_rank_of_experts
-from jtopoep.planners.common import carry_like, guest_quotas_to_slots, holds_home, scatter_add
+from jtopoep.planners.common import carry_like, guest_quotas_to_slots, holds_home, scatter_add, set_entry
 from jtopoep.planners.loops import step_until_done
 from jtopoep.planners.pricing import node_link_class, transfer_costs
 from jtopoep.topology import Topology
@@ -155,18 +155,17 @@ def locality_swaps(counts, placement, guests, quotas, cand, topology: Topology, 
         ok = levels | (gain.reshape(-1)[flat] > 0)
         a = jnp.where(ok, amount[e1, e2], 0)
         h1, h2 = cand_rank[e1], cand_rank[e2]
-        put1 = ok & (rank_ids[:, None] == h2) & (slot_ids[None, :] == used[h2])  # copy of e1 on h2
-        put2 = ok & (rank_ids[:, None] == h1) & (slot_ids[None, :] == used[h1])  # copy of e2 on h1
-        guests = jnp.where(put1, cand[e1], jnp.where(put2, cand[e2], guests))
-        quotas = jnp.where(put1 | put2, a, quotas)
+        # A copy of e1 into h2's next free slot and one of e2 into h1's (where ok; else each entry is
+        # written back as it is), one entry at a time (common.set_entry).
+        for rank, e, other in ((h2, e1, e2), (h1, e2, e1)):
+            j = jnp.minimum(used[rank], slots - 1)
+            guests = set_entry(guests, (rank, j), jnp.where(ok, cand[e], guests[rank, j]))
+            quotas = set_entry(quotas, (rank, j), jnp.where(ok, a, quotas[rank, j]))
+            holds = set_entry(holds, (rank, e), holds[rank, e] | ok)
+            crossing = set_entry(crossing, (cand_node[other], e), crossing[cand_node[other], e] - a)
         swapped = ok & ((rank_ids == h1) | (rank_ids == h2))
         used = used + swapped.astype(jnp.int32)
         cols = jnp.arange(num_cand)
-        holds = holds | (ok & (rank_ids[:, None] == h2) & (cols[None, :] == e1)) \
-            | (ok & (rank_ids[:, None] == h1) & (cols[None, :] == e2))
-        node_ids = jnp.arange(nodes)[:, None]
-        crossing = crossing - jnp.where((node_ids == cand_node[e2]) & (cols[None, :] == e1), a, 0) \
-            - jnp.where((node_ids == cand_node[e1]) & (cols[None, :] == e2), a, 0)
         left = left - jnp.where((cols == e1) | (cols == e2), a, 0)
         busy = busy + jnp.where((jnp.arange(2)[:, None] == 1) & swapped[None, :], link_s[h1, h2], 0.0)
         hide = hide - jnp.where(swapped, a.astype(jnp.float32) * pair_fwd_s, 0.0)
