@@ -54,14 +54,14 @@ def time_call(fn, arg, repeats: int) -> float:
     return statistics.median(times)
 
 
-# Executables per planner that latency() times. Identical programs compiled separately do not run
-# equally fast here: in one process, of eight compilations of topoep (the same optimised HLO and
-# buffer assignment, the same temporary and output buffer addresses at run time), one or two took
-# about 190 us a call and the rest 225-245, the difference all in its copy loop's kernel (29 us
-# against 80-90 in a profile); eplb's and taot's compilations stayed within 4% of each other. A
-# figure from one compilation is a draw from that spread, and so is an A/B comparison of two
-# single compilations. Serialising an executable and loading it in another process does not keep
-# its speed, so the cause is where the process puts the executable, not its code; it was not found.
+# Executables per planner that latency() times. Identical programs compiled separately did not run
+# equally fast here: of eight compilations of topoep in one process (the same optimised HLO and
+# buffer assignment), half took about 125 us a call in its copy loop and half 70. A profile of a
+# slow and a fast one (perf, the same machine code) put the difference on the loop's update of its
+# [R, C] bool `holds` array, a masked select over the whole array each step, compiled to byte-wise
+# read-modify-writes whose samples piled up in the slow executables only. Written as an update of
+# one entry (planners.common.set_entry), eight compilations took 64-71 us in the loop and 175-190
+# us in all. Timing several executables still guards against the next such draw.
 COMPILES = 4
 
 
