@@ -61,9 +61,13 @@ def test_emulated_device_count_unless_xla_flags_force_one(xla_flags, expected):
     assert out.stdout.split()[-1] == str(expected)
 
 
-def test_the_planner_loop_compiles_to_one_kernel():
+def test_every_planner_loop_compiles_to_one_kernel():
     """conftest configured this process's small-loop limit as the trainer does; XLA marks a loop it
-    compiled into one kernel with the xla_cpu_small_call attribute, and topoep's copy loop must be one."""
-    planner = get_planner("topoep", topology=Topology.preset("cpu-2x4"), num_experts=16, guest_slots=2)
-    hlo = jax.jit(planner).lower(jnp.ones((8, 16), jnp.int32)).compile().as_text()
-    assert 'xla_cpu_small_call="true"' in hlo
+    compiled into one kernel with the xla_cpu_small_call attribute. Every loop of topoep and taot
+    must be one (a scatter in a loop body, say, would leave it a graph of kernels)."""
+    for name in ("topoep", "taot"):
+        planner = get_planner(name, topology=Topology.preset("cpu-2x4"), num_experts=16, guest_slots=2)
+        hlo = jax.jit(planner).lower(jnp.ones((8, 16), jnp.int32)).compile().as_text()
+        loops = hlo.count(" while(")
+        assert loops >= 3, (name, loops)  # the copy loop and the routing's two balancing loops
+        assert hlo.count('xla_cpu_small_call="true"') == loops, name
