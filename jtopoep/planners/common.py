@@ -130,11 +130,12 @@ def set_entry(array, index: tuple, value):
     """array with the one entry at `index` (a tuple of scalar indices, in bounds) set to value.
 
     For the loops that change one entry of a state array per step. Written as a masked select over
-    the whole array, (row == r) & (column == c), XLA:CPU updates every entry in place, one byte or
-    word at a time, each step: a [32, 32] bool array cost topoep's copy loop 30 us a call, and in
-    about half of the compilations 80 (its stores stalled the loads beside them, by where the
-    executable's buffers fell). A dynamic_update_slice of one entry writes one, in place; it is no
-    scatter, so the loop still compiles as one kernel (jtopoep.xla_cpu)."""
+    the whole array, (row == r) & (column == c), XLA:CPU rewrites every entry, one byte or word at a
+    time, each step. For topoep's [32, 32] bool `holds` those stores stalled in about half of the
+    compilations (a perf profile of a slow and a fast executable, the same machine code, put the
+    slow one's samples on them; why only there was not found), and topoep up to the end of its copy loop
+    took 125 us a call instead of 70. A dynamic_update_slice of one entry writes one, in place: eight
+    compilations took 64-71 us. It is no scatter, so the loop still compiles as one kernel (jtopoep.xla_cpu)."""
     value = jnp.asarray(value, array.dtype).reshape((1,) * array.ndim)
     return jax.lax.dynamic_update_slice(array, value, index)
 

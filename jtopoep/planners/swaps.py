@@ -114,7 +114,6 @@ def locality_swaps(counts, placement, guests, quotas, cand, topology: Topology, 
     cand_node = home_node[cand]
     holds = holds_home(cand_rank, num_ranks) | is_cand.any(1)  # [R, C]
     rank_ids = jnp.arange(num_ranks, dtype=jnp.int32)
-    slot_ids = jnp.arange(slots, dtype=jnp.int32)
     # Invariant over the loop: what shipping one expert between the two homes costs, and which
     # pairs of candidates live on different nodes.
     cost = link_s[cand_rank[:, None], cand_rank[None, :]]
