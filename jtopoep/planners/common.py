@@ -133,9 +133,10 @@ def set_entry(array, index: tuple, value):
     the whole array, (row == r) & (column == c), XLA:CPU rewrites every entry, one byte or word at a
     time, each step. For topoep's [32, 32] bool `holds` those stores stalled in about half of the
     compilations (a perf profile of a slow and a fast executable, the same machine code, put the
-    slow one's samples on them; why only there was not found), and topoep up to the end of its copy loop
-    took 125 us a call instead of 70. A dynamic_update_slice of one entry writes one, in place: eight
-    compilations took 64-71 us. It is no scatter, so the loop still compiles as one kernel (jtopoep.xla_cpu)."""
+    slow one's samples on them; why only there was not found), and topoep up to the end of its copy
+    loop took 125 us a call instead of 70. A dynamic_update_slice of one entry writes one, in place:
+    eight compilations took 64-71 us. It is no scatter, so the loop still compiles as one kernel
+    (jtopoep.xla_cpu)."""
     value = jnp.asarray(value, array.dtype).reshape((1,) * array.ndim)
     return jax.lax.dynamic_update_slice(array, value, index)
 
