@@ -14,6 +14,9 @@ under variants of the cost model (the planners themselves are unchanged; only `t
 - weights behind the dispatch: a rank's guest weights also hide in the idle tail of its dispatch
   exchange (the exchange lasts as long as its busiest rank), which needs the weight fetch and the
   token exchange to run concurrently.
+- weights relayed by a node peer: an inter-node copy leaves from the NIC of the rank on its home's
+  node that has sent the least across nodes so far (the home itself on ties), after an NVLink hop
+  from the home there, so a hot expert's home no longer sends every copy of it over its own NIC.
 - chained weights: an expert's copies on other nodes travel along a chain, home -> first guest host
   -> next, each relay forwarding a slice of the weights as soon as it has it, so each NIC sends a
   copy once where a hot expert's home sends one per node (the pipelined broadcast of collective
@@ -126,6 +129,48 @@ def relayed_weights(plan, topology, dims, placement, planning_s=0.0, held=None) 
     return _with_weights(times, _exposed(plan, topology, dims, placement, out, back))
 
 
+def peer_relayed_seconds(plan, topology: Topology, dims, placement, held=None) -> np.ndarray:
+    """[R] seconds until each rank's guest-weight transfers are done, with every inter-node copy sent
+    across nodes by the rank of its home's node that has sent the fewest copies across nodes so far
+    (the home on ties), in (guest host, slot) order, reached from the home over NVLink. Per link
+    class a rank is busy for the larger of what it sends and receives, as
+    costmodel.copy_seconds_per_rank prices it; a relayed copy reaches its host one NVLink slice
+    (dims.weight_chunks) later, since a relay forwards each slice as soon as it has it. Gradients
+    take the same path back."""
+    gpus = topology.gpus_per_node
+    sender, shipped = shipped_guest_slots(plan, placement, held)
+    ranks = topology.num_ranks
+    nvlink, across = np.zeros((ranks, ranks)), np.zeros((ranks, ranks))  # copies per (sender, receiver)
+    sent_across = np.zeros(ranks, np.int64)
+    relayed = np.zeros(ranks, bool)
+    for d, i in zip(*np.nonzero(shipped)):
+        h = sender[d, i]
+        if h // gpus == d // gpus:
+            nvlink[h, d] += 1
+            continue
+        peers = (h // gpus) * gpus + np.arange(gpus)
+        fewest = sent_across[peers].min()
+        relay = h if sent_across[h] == fewest else peers[np.argmax(sent_across[peers] == fewest)]
+        if relay != h:
+            nvlink[h, relay] += 1
+            relayed[d] = True
+        across[relay, d] += 1
+        sent_across[relay] += 1
+    busy = np.zeros(ranks)
+    for moves, bandwidth in ((nvlink, topology.intra_bw), (across, topology.inter_bw)):
+        busy = np.maximum(busy, np.maximum(moves.sum(0), moves.sum(1)) * dims.expert_bytes / bandwidth)
+    return busy + np.where(relayed, dims.expert_bytes / topology.intra_bw / dims.weight_chunks, 0.0)
+
+
+def peer_relayed_weights(plan, topology, dims, placement, planning_s=0.0, held=None) -> dict:
+    """Inter-node copies sent across nodes by the least-used NIC of their home's node
+    (peer_relayed_seconds)."""
+    times = layer_time(plan, topology, dims, placement, planning_s, held)
+    out = peer_relayed_seconds(plan, topology, dims, placement, held)
+    back = peer_relayed_seconds(plan, topology, dims, placement)
+    return _with_weights(times, _exposed(plan, topology, dims, placement, out, back))
+
+
 def chained_transfers(plan, topology: Topology, placement, held=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Guest copies with each expert's copies on other nodes sent along a chain: its home sends the
     weights to the first of them (in rank order), which forwards them to the next, and so on, each
@@ -227,6 +272,7 @@ def kept_gradients_deferred(plan, topology, dims, placement, planning_s=0.0, hel
 
 FETCHED = {"as modelled": layer_time, "whole copies, not slices": whole_copies,
            "weights in 8 slices": in_eight_slices, "weights relayed over the rails": relayed_weights,
+           "inter-node copies sent by a node peer": peer_relayed_weights,
            "inter-node copies relayed along a chain": chained_weights,
            "weights also behind the dispatch": weights_behind_dispatch,
            "inter-node copies at NVLink speed": copies_at_nvlink_speed,

@@ -138,6 +138,30 @@ def test_chained_weights_send_each_copy_from_the_previous_node():
     assert moves[0, 4] == 1 and moves[2, 4] == 0 and hops_in[4] == 0
 
 
+def test_peer_relayed_weights_spread_a_home_over_its_node():
+    """The chained test's layout: expert 0 (rank 0) copied to rank 1 (its own node) and to ranks 2
+    and 4 (nodes 1 and 2). The first inter-node copy (rank 2) leaves from the home's NIC; the second
+    (rank 4) from rank 1's, which got it from the home over NVLink, and lands one NVLink slice later.
+    Each NIC sends one copy; the home's NVLink carries two (to rank 1 as a guest and as a relay),
+    which take less time than its NIC's one."""
+    topology = Topology(3, 2, intra_bw=100.0, inter_bw=10.0)
+    dims = ExpertDims(d_model=10, expert_hidden=10, bytes_per_element=2, weight_chunks=2)  # 600 bytes
+    placement = np.arange(6).reshape(6, 1)
+    counts = np.array([[12, 1, 1, 1, 1, 1]] * 6, np.int32)
+    slot_expert = np.array([[0, -1], [1, 0], [2, 0], [3, -1], [4, 0], [5, -1]], np.int32)
+    quota = np.array([[18, 0], [6, 18], [6, 18], [6, 0], [6, 18], [6, 0]], np.int32)
+    plan = plan_from_quotas(counts, slot_expert, quota, 2, True, np)
+    check_plan(plan, counts, placement)
+    busy = what_if.peer_relayed_seconds(plan, topology, dims, placement)
+    np.testing.assert_allclose(busy, [600 / 10, 600 / 10, 600 / 10, 0, 600 / 10 + 300 / 100, 0])
+    # Directly the home's NIC would send both: 2 x 600 / 10.
+    assert copy_seconds_per_rank(guest_transfers(plan, placement), topology, dims)[0] == 2 * 600 / 10
+    # Held already on rank 2: the home's NIC sends rank 4's copy itself, and nothing is relayed.
+    held = np.array([[-1], [-1], [0], [-1], [-1], [-1]], np.int32)
+    busy = what_if.peer_relayed_seconds(plan, topology, dims, placement, held)
+    np.testing.assert_allclose(busy, [600 / 10, 600 / 100, 0, 0, 600 / 10, 0])
+
+
 def eplb_plan_on_zipf():
     """(topology, dims, counts, placement, eplb's plan) on a skewed load: h800-2x8, E = 32, K = 2,
     eplb's slots with even quotas and topology-oblivious routing (many inter-node copies); guest
