@@ -108,12 +108,10 @@ def test_relayed_weights_arrive_over_every_rail():
     np.testing.assert_array_equal(what_if.relayed_arrival_seconds(plan, topology, dims, placement, held), 0)
 
 
-def test_chained_weights_send_each_copy_from_the_previous_node():
-    """3 nodes x 2 GPUs, one expert per rank; expert 0 (rank 0) copied to rank 1 (its own node) and
-    to ranks 2 and 4 (nodes 1 and 2). The copy on rank 1 comes from the home over NVLink; across
-    nodes the home sends to rank 2, which forwards to rank 4: every NIC sends at most one copy.
-    Rank 4's copy arrives one slice after rank 2's, and the home's gradients wait one hop for rank
-    4's, summed at rank 2."""
+def expert_copied_to_three_nodes():
+    """(topology, dims, placement, plan): 3 nodes x 2 GPUs, one expert per rank; expert 0 (rank 0)
+    copied to rank 1 (its own node) and to ranks 2 and 4 (nodes 1 and 2); 600-byte experts in 2
+    slices."""
     topology = Topology(3, 2, intra_bw=100.0, inter_bw=10.0)
     dims = ExpertDims(d_model=10, expert_hidden=10, bytes_per_element=2, weight_chunks=2)  # 600 bytes
     placement = np.arange(6).reshape(6, 1)
@@ -122,6 +120,16 @@ def test_chained_weights_send_each_copy_from_the_previous_node():
     quota = np.array([[18, 0], [6, 18], [6, 18], [6, 0], [6, 18], [6, 0]], np.int32)
     plan = plan_from_quotas(counts, slot_expert, quota, 2, True, np)
     check_plan(plan, counts, placement)
+    return topology, dims, placement, plan
+
+
+def test_chained_weights_send_each_copy_from_the_previous_node():
+    """3 nodes x 2 GPUs, one expert per rank; expert 0 (rank 0) copied to rank 1 (its own node) and
+    to ranks 2 and 4 (nodes 1 and 2). The copy on rank 1 comes from the home over NVLink; across
+    nodes the home sends to rank 2, which forwards to rank 4: every NIC sends at most one copy.
+    Rank 4's copy arrives one slice after rank 2's, and the home's gradients wait one hop for rank
+    4's, summed at rank 2."""
+    topology, dims, placement, plan = expert_copied_to_three_nodes()
     moves, hops_in, hops_back = what_if.chained_transfers(plan, topology, placement)
     expected = np.zeros((6, 6), np.int64)
     expected[0, 1] = expected[0, 2] = expected[2, 4] = 1
@@ -144,14 +152,7 @@ def test_peer_relayed_weights_spread_a_home_over_its_node():
     (rank 4) from rank 1's, which got it from the home over NVLink, and lands one NVLink slice later.
     Each NIC sends one copy; the home's NVLink carries two (to rank 1 as a guest and as a relay),
     which take less time than its NIC's one."""
-    topology = Topology(3, 2, intra_bw=100.0, inter_bw=10.0)
-    dims = ExpertDims(d_model=10, expert_hidden=10, bytes_per_element=2, weight_chunks=2)  # 600 bytes
-    placement = np.arange(6).reshape(6, 1)
-    counts = np.array([[12, 1, 1, 1, 1, 1]] * 6, np.int32)
-    slot_expert = np.array([[0, -1], [1, 0], [2, 0], [3, -1], [4, 0], [5, -1]], np.int32)
-    quota = np.array([[18, 0], [6, 18], [6, 18], [6, 0], [6, 18], [6, 0]], np.int32)
-    plan = plan_from_quotas(counts, slot_expert, quota, 2, True, np)
-    check_plan(plan, counts, placement)
+    topology, dims, placement, plan = expert_copied_to_three_nodes()
     busy = what_if.peer_relayed_seconds(plan, topology, dims, placement)
     np.testing.assert_allclose(busy, [600 / 10, 600 / 10, 600 / 10, 0, 600 / 10 + 300 / 100, 0])
     # Directly the home's NIC would send both: 2 x 600 / 10.
