@@ -150,14 +150,12 @@ def non_moe_seconds(cfg: ModelConfig, topology: Topology) -> float:
 
 
 def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, mats: np.ndarray,
-            window: int, min_gain: float, keep_copies: bool = False, timing=layer_time,
+            window: int, min_gain: float, keep_copies: bool = False,
             knobs: dict | None = None) -> dict:
     """Per-step terms, tokens/s and gains of every planner on the micro-batches `mats`.
 
     keep_copies: the micro-batches are those of one optimizer step, and a guest copy a rank holds
     again from the previous micro-batch of the same layer ships no weights (moe.keep_copies).
-    timing: the per-layer cost model, with costmodel.layer_time's signature (benchmarks.what_if
-    passes variants of it).
     knobs: {planner name: its settings beyond the defaults}, e.g. taot's score weights."""
     cfg = load_model(model)
     dep = Deployment(cfg, topology.num_ranks)
@@ -177,7 +175,7 @@ def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, m
                for name in planners}
 
     def timed(name, layer, plan, planning_s):
-        t = timing(plan, topology, dims, placement, planning_s, held.get((name, layer)))
+        t = layer_time(plan, topology, dims, placement, planning_s, held.get((name, layer)))
         if keep_copies:
             held[(name, layer)] = np.asarray(plan.slot_expert)[:, home:]
         for k in terms:

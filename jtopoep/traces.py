@@ -1,9 +1,11 @@
 """Expert loads for planners, benchmarks and tests: counts[R, E] per micro-batch and layer.
 
-Real data (../shared/traces/, see its README):
+Real data, shipped in jtopoep/data/ (origins and licences in its README):
 - ESFT / DeepSeek-V2-Lite: per-sample counts [samples, layers, 64]. Samples of a task are split into
   micro-batches and dealt round-robin to the source ranks, so successive micro-batches show the load
   drifting as a per-micro-batch planner sees it.
+- ESFT token level: each token's routed experts [tokens, layers, k], for what counts cannot show
+  (which experts a token chooses together).
 - OLMoE / Mixtral: per-domain totals for layers (0, 7, 15), no per-sample split. A micro-batch is drawn
   from the domain's expert distribution (seeded multinomial), one draw per source rank.
 When the mesh needs more experts than the model has, experts are tiled: expert e of copy c becomes
@@ -15,41 +17,65 @@ where one expert suddenly takes a large share. Every generator is seeded and det
 
 from __future__ import annotations
 
+import gzip
 import json
 import pathlib
 
 import numpy as np
 
-SHARED_TRACES = pathlib.Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+DATA_DIR = pathlib.Path(__file__).resolve().parent / "data"
 ESFT_TASKS = ("intent", "translation")
 
 
 def _require_file(path: pathlib.Path) -> pathlib.Path:
     if not path.is_file():
-        raise FileNotFoundError(
-            f"trace file {path} is missing; pass the path explicitly or place the shared traces at "
-            f"{SHARED_TRACES}")
+        raise FileNotFoundError(f"trace file {path} is missing; pass an existing file (the shipped traces are "
+                                f"under {DATA_DIR})")
     return path
 
 
-def load_esft(task: str = "intent", path: str | pathlib.Path | None = None) -> np.ndarray:
-    """int32 [samples, layers, experts] routed slots of DeepSeek-V2-Lite (ESFT) for one task."""
+def _esft_file(task: str, kind: str, path) -> pathlib.Path:
     if task not in ESFT_TASKS:
         raise ValueError(f"unknown ESFT task {task!r}; known tasks: {list(ESFT_TASKS)}")
-    file = pathlib.Path(path) if path else SHARED_TRACES / "esft_dsv2lite" / f"{task}_counts.npy"
-    data = np.load(_require_file(file))
+    return _require_file(pathlib.Path(path) if path else DATA_DIR / "esft_dsv2lite" / f"{task}_{kind}.npz")
+
+
+def load_esft(task: str = "intent", path: str | pathlib.Path | None = None) -> np.ndarray:
+    """int64 [samples, layers, experts] routed slots of DeepSeek-V2-Lite (ESFT) for one task."""
+    file = _esft_file(task, "counts", path)
+    with np.load(file) as archive:
+        data = archive["counts"]
     if data.ndim != 3:
         raise ValueError(f"{file} has shape {data.shape}; expected [samples, layers, experts]")
     return data.astype(np.int64)
 
 
+def load_esft_tokens(task: str = "intent", path: str | pathlib.Path | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """(expert_ids int32 [tokens, layers, k], sample_start int64 [samples + 1]): each token's routed
+    experts at each MoE layer of DeepSeek-V2-Lite (ESFT), and the first token of each prompt."""
+    file = _esft_file(task, "tokens", path)
+    with np.load(file) as archive:
+        expert_ids, sample_start = archive["expert_ids"], archive["sample_start"]
+    if expert_ids.ndim != 3 or sample_start[-1] != len(expert_ids):
+        raise ValueError(f"{file}: expert_ids {expert_ids.shape} and sample_start ending at {sample_start[-1]}; "
+                         f"expected [tokens, layers, k] with sample_start[-1] == tokens")
+    return expert_ids.astype(np.int32), sample_start.astype(np.int64)
+
+
+def _olmoe_models(path) -> dict:
+    file = _require_file(pathlib.Path(path) if path else DATA_DIR / "olmoe" / "expert_counts.json.gz")
+    opener = gzip.open if file.suffix == ".gz" else open
+    with opener(file, "rt") as f:
+        return json.load(f)["models"]
+
+
 def load_olmoe(model: str = "olmoe", domain: str = "arxiv", kind: str = "expert_counts",
                path: str | pathlib.Path | None = None) -> np.ndarray:
     """int64 [layers=3, experts] total routed slots of one OLMoE/Mixtral model on one text domain."""
-    file = pathlib.Path(path) if path else SHARED_TRACES / "olmoe" / "expert_counts.json"
-    data = json.loads(_require_file(file).read_text())["models"]
+    data = _olmoe_models(path)
     if model not in data:
-        raise ValueError(f"unknown model {model!r} in {file}; known models: {sorted(data)}")
+        raise ValueError(f"unknown model {model!r}; known models: {sorted(data)}")
     kinds = data[model]["kinds"]
     if kind not in kinds:
         raise ValueError(f"unknown kind {kind!r}; known kinds: {sorted(kinds)}")
@@ -59,8 +85,7 @@ def load_olmoe(model: str = "olmoe", domain: str = "arxiv", kind: str = "expert_
 
 
 def olmoe_models(path: str | pathlib.Path | None = None) -> list[str]:
-    file = pathlib.Path(path) if path else SHARED_TRACES / "olmoe" / "expert_counts.json"
-    return sorted(json.loads(_require_file(file).read_text())["models"])
+    return sorted(_olmoe_models(path))
 
 
 def tile_experts(counts: np.ndarray, num_experts: int) -> int:

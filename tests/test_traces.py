@@ -43,7 +43,7 @@ def test_olmoe_bad_names(bad, match):
 
 def test_missing_file_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="trace file .* is missing"):
-        traces.load_esft("intent", tmp_path / "nope.npy")
+        traces.load_esft("intent", tmp_path / "nope.npz")
 
 
 def test_synthetic_generators_are_seeded():
@@ -61,3 +61,21 @@ def test_scale_counts_keeps_shares():
     np.testing.assert_array_equal(out.sum(1), [100, 100])
     np.testing.assert_array_equal(out[1], [50, 0, 0, 50])
     assert out[0].tolist() == [17, 33, 50, 0]
+
+
+@pytest.mark.parametrize("task", traces.ESFT_TASKS)
+def test_esft_tokens_agree_with_counts(task):
+    """The shipped token-level routing and per-prompt counts describe the same routing."""
+    expert_ids, sample_start = traces.load_esft_tokens(task)
+    counts = traces.load_esft(task)
+    assert expert_ids.shape[1:] == (26, 6) and len(sample_start) == len(counts) + 1
+    prompt = np.repeat(np.arange(len(counts)), np.diff(sample_start))
+    rebuilt = np.zeros_like(counts)
+    np.add.at(rebuilt, (prompt[:, None, None], np.arange(26)[None, :, None], expert_ids), 1)
+    np.testing.assert_array_equal(rebuilt, counts)
+
+
+def test_shipped_traces_carry_licences():
+    readme = (traces.DATA_DIR / "README.md").read_text()
+    for origin, licence in (("deepseek-ai/ESFT", "LICENSE-ESFT"), ("allenai/OLMoE", "LICENSE-OLMoE")):
+        assert origin in readme and (traces.DATA_DIR / licence).is_file()
