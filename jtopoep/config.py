@@ -85,10 +85,10 @@ class TopologyConfig:
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 256  # byte-level by default
-    seq_len: int = 64
+    seq_len: int = 64  # tokens per training sequence
     d_model: int = 64  # D
-    num_layers: int = 2
-    num_heads: int = 4
+    num_layers: int = 2  # transformer blocks
+    num_heads: int = 4  # attention heads; d_model / num_heads must be even (rotary embedding)
     num_experts: int = 16  # E, routed experts per MoE layer
     top_k: int = 2  # k
     expert_hidden: int = 64  # F, hidden width of one routed expert
@@ -96,7 +96,7 @@ class ModelConfig:
     first_dense_layers: int = 0  # leading layers with a dense FFN (DeepSeek-style)
     dense_hidden: int = 128  # hidden width of dense FFN layers
     shared_experts: int = 0  # always-on experts, each of width expert_hidden
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # rotary embedding base
     # Compute dtype of activations, of the token exchange and of guest-weight transfers; parameters
     # and optimizer state stay float32. The cost model prices its bytes per element.
     dtype: str = "float32"
@@ -182,20 +182,20 @@ class MoEConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 100
+    steps: int = 100  # optimizer steps of the run
     batch_size: int = 16  # global sequences per step, divided over all devices
     microbatches: int = 1  # the step's batch in this many micro-batches, gradients averaged
-    learning_rate: float = 3e-3
-    warmup_steps: int = 10
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 50
-    eval_batches: int = 2
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 2
-    run_dir: str = "runs/tiny_cpu"
+    learning_rate: float = 3e-3  # AdamW peak learning rate (linear warm-up, then cosine decay to a tenth)
+    warmup_steps: int = 10  # linear warm-up steps; fewer than steps
+    weight_decay: float = 0.01  # AdamW decoupled weight decay
+    grad_clip: float = 1.0  # global gradient-norm clip; 0 turns it off
+    seed: int = 0  # parameters and batches are pure functions of it
+    log_every: int = 10  # append a row to metrics.jsonl every this many steps (and at evaluations and the last step)
+    eval_every: int = 50  # evaluate every this many steps, and at the last step
+    eval_batches: int = 2  # held-out batches per evaluation
+    checkpoint_every: int = 50  # save a checkpoint every this many steps, and at the last step
+    keep_checkpoints: int = 2  # checkpoints kept on disk (the newest)
+    run_dir: str = "runs/tiny_cpu"  # checkpoints, metrics.jsonl, counts.npz, config.json and report.png
 
     def __post_init__(self):
         _positive("train", self, "steps", "batch_size", "microbatches", "learning_rate", "log_every",
