@@ -176,8 +176,12 @@ class MoEConfig:
         _positive("moe", self, "sinkhorn_epsilon", "sinkhorn_iters", "guest_weight_chunks")
         _require(self.recv_capacity_factor == 0 or self.recv_capacity_factor >= 1, "moe.recv_capacity_factor",
                  self.recv_capacity_factor, "0 (room for every pair) or a value >= 1 (a rank's own pairs)")
-        _require(not (self.planner == "none" and self.guest_slots), "moe.guest_slots", self.guest_slots,
-                 "0 when moe.planner = 'none' (it never fills guest slots)")
+
+    @property
+    def planned_guest_slots(self) -> int:
+        """Guest slots the planner fills: none with planner 'none', which never copies an expert (so
+        switching a run to 'none' needs no other change)."""
+        return 0 if self.planner == "none" else self.guest_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +190,7 @@ class TrainConfig:
     batch_size: int = 16  # global sequences per step, divided over all devices
     microbatches: int = 1  # the step's batch in this many micro-batches, gradients averaged
     learning_rate: float = 3e-3  # AdamW peak learning rate (linear warm-up, then cosine decay to a tenth)
-    warmup_steps: int = 10  # linear warm-up steps; fewer than steps
+    warmup_steps: int = 10  # linear warm-up steps; at train.steps or more, the run ends within the warm-up
     weight_decay: float = 0.01  # AdamW decoupled weight decay
     grad_clip: float = 1.0  # global gradient-norm clip; 0 turns it off
     seed: int = 0  # parameters and batches are pure functions of it
@@ -201,8 +205,6 @@ class TrainConfig:
         _positive("train", self, "steps", "batch_size", "microbatches", "learning_rate", "log_every",
                   "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints")
         _non_negative("train", self, "warmup_steps", "weight_decay", "grad_clip", "seed")
-        _require(self.warmup_steps < self.steps, "train.warmup_steps", self.warmup_steps,
-                 f"fewer than train.steps = {self.steps}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,7 +254,9 @@ _SECTION_CLASSES = {
 _PRESET_DIRS = {"topology": "topologies", "model": "models"}
 
 
-_YAML11_EXPONENT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE]\d+$")
+# PyYAML follows YAML 1.1, which reads `3e-4`, `1e3` and `155.0e9` (no dot or no exponent sign) as
+# strings; a float key takes any decimal number, written as YAML 1.2 or Python would.
+_DECIMAL = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
 def _check_type(key: str, value: Any, annotation: Any) -> Any:
@@ -268,8 +272,7 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
             return value
         if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if option is float and isinstance(value, str) and _YAML11_EXPONENT.match(value):
-            # PyYAML follows YAML 1.1, which reads `155.0e9` (no exponent sign) as a string.
+        if option is float and isinstance(value, str) and _DECIMAL.match(value.strip()):
             return float(value)
         if option is str and isinstance(value, str):
             return value
@@ -296,7 +299,13 @@ def section_from_dict(name: str, cls, raw: dict) -> Any:
 def _read_yaml(path: pathlib.Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise ConfigError(f"config file {path} is not valid YAML{at}: "
+                          f"{getattr(err, 'problem', None) or err}") from err
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping, got {type(data).__name__}")
     return data
@@ -328,7 +337,11 @@ def apply_override(raw: dict, assignment: str) -> None:
     raw.setdefault(section, {})
     if not isinstance(raw[section], dict):
         raise ConfigError(f"{section} = {raw[section]!r} is not allowed: expected a mapping of keys")
-    raw[section][key] = yaml.safe_load(text)
+    try:
+        raw[section][key] = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {assignment!r}: the value is not valid YAML "
+                          f"({getattr(err, 'problem', None) or ' '.join(str(err).split())})") from err
 
 
 def config_from_dict(raw: dict, config_dir: pathlib.Path = CONFIG_DIR) -> RunConfig:

@@ -44,7 +44,7 @@ def make_planner(moe: MoEConfig, topology: Topology, num_experts: int, dims: Exp
     if moe.planner == "taot":
         knobs.update(epsilon=moe.sinkhorn_epsilon, iterations=moe.sinkhorn_iters,
                      locality_weight=moe.taot_locality_weight, weight_cost=moe.taot_weight_cost)
-    return get_planner(moe.planner, topology=topology, num_experts=num_experts, guest_slots=moe.guest_slots,
+    return get_planner(moe.planner, topology=topology, num_experts=num_experts, guest_slots=moe.planned_guest_slots,
                        **knobs)
 
 
@@ -80,7 +80,7 @@ class MoELayer(nnx.Module):
     @property
     def makes_copies(self) -> bool:
         """Whether this layer's plans can have guest copies (so it has GuestCopies to keep)."""
-        return self.moe.guest_slots > 0 and self.moe.planner != "none"
+        return self.moe.planned_guest_slots > 0
 
     def no_guest_copies(self) -> GuestCopies:
         """The copies held before a step's first micro-batch: none. Held copies are per device
@@ -116,8 +116,8 @@ class MoELayer(nnx.Module):
                 previous = GuestCopies(previous.experts[0], previous.weights)  # this device's [R, K]
             tokens = x.reshape(b * length, d)
             with jax.named_scope("route"):
-                routed = route(tokens.astype(jnp.float32) @ router, self.top_k, moe.score_fn,
-                               moe.normalize_topk, bias)
+                logits = tokens.astype(jnp.float32) @ router
+                routed = route(logits, self.top_k, moe.score_fn, moe.normalize_topk, bias)
             y, stats = moe_dispatch(tokens, routed.expert_ids, routed.gates.astype(x.dtype),
                                     ExpertWeights(w_gate, w_up, w_down), placement, self.planner,
                                     backend=moe.transport, hierarchical=moe.hierarchical,
@@ -126,6 +126,10 @@ class MoELayer(nnx.Module):
             scalars = {
                 "aux_loss": jax.lax.pmean(routed.aux_loss, batch_axes),
                 "z_loss": jax.lax.pmean(routed.z_loss, batch_axes),
+                # Whether any device's router logits or output held a NaN or Inf: the trainer names
+                # the first layer where a non-finite loss began.
+                "nonfinite_router": jax.lax.pmax((~jnp.isfinite(logits).all()).astype(jnp.int32), batch_axes),
+                "nonfinite_output": jax.lax.pmax((~jnp.isfinite(y).all()).astype(jnp.int32), batch_axes),
             }
             per_device = {
                 "imbalance_before": counts_imbalance(stats.counts, placement),
@@ -142,7 +146,7 @@ class MoELayer(nnx.Module):
             held = GuestCopies(stats.guests.experts[None], stats.guests.weights) if keep else None
             return y.reshape(b, length, d), scalars, jax.tree.map(lambda a: a[None], per_device), held
 
-        stats_spec = {"aux_loss": P(), "z_loss": P()}
+        stats_spec = {"aux_loss": P(), "z_loss": P(), "nonfinite_router": P(), "nonfinite_output": P()}
         held_spec = GuestCopies(token_spec, ExpertWeights(token_spec, token_spec, token_spec)) if keep else P()
         fn = jax.shard_map(body, mesh=self.mesh,
                            in_specs=(token_spec, P(), expert_spec, expert_spec, expert_spec, P(), held_spec),

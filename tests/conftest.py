@@ -1,6 +1,7 @@
 """Every test sees 8 emulated CPU devices; set before JAX initialises a backend."""
 
 import os
+import sys
 
 # The tests check results, not speed, and most of an XLA:CPU compile here is LLVM optimising the
 # generated code: without it the suite's many small compiles take about a third less time.
@@ -10,6 +11,8 @@ os.environ["XLA_FLAGS"] = " ".join(
     + TEST_XLA_FLAGS + ["--xla_force_host_platform_device_count=8"]
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Test helpers (planner_cases, routing_oracle, test_dispatch's oracle) import from tests/ subfolders too.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 

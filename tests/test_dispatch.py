@@ -47,9 +47,10 @@ def reference(x, ids, gates, w):
 
 
 @functools.lru_cache(maxsize=None)
-def layer(preset, planner_name, hierarchical, recv_rows=None):
+def layer(preset, planner_name, hierarchical, recv_rows=None, guest_slots=2):
     topo = Topology.preset(preset)
-    planner = get_planner(planner_name, topology=topo, num_experts=E, guest_slots=0 if planner_name == "none" else 2)
+    planner = get_planner(planner_name, topology=topo, num_experts=E,
+                          guest_slots=0 if planner_name == "none" else guest_slots)
     placement = contiguous_placement(R, E)
 
     def body(x, ids, gates, wg, wu, wd):

@@ -1,27 +1,49 @@
-"""python -m train --config configs/tiny_cpu.yaml [--set section.key=value ...] [--fresh]"""
+"""python -m train --config configs/tiny_cpu.yaml [--set section.key=value ...] [--fresh]
+
+Exit status: 0 done, 1 the run failed (a non-finite loss, a receive buffer overflow, a checkpoint
+that could not be written), 2 bad input (config, data, run folder), 128 + N stopped by signal N
+after checkpointing. Errors are one line; --debug shows the traceback.
+"""
 
 import argparse
 import sys
+import warnings
+
+class DistributedError(RuntimeError):
+    """The processes of a multi-process run could not all be reached."""
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train", description=__doc__)
+def _one_line_warnings(message, category, filename, lineno, file=None, line=None):
+    print(f"warning: {message}", file=sys.stderr if file is None else file)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="run config YAML (configs/*.yaml)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override one config value; repeatable")
-    parser.add_argument("--fresh", action="store_true", help="delete the run directory and start over")
-    parser.add_argument("--coordinator", help="multi-host: coordinator address host:port")
-    parser.add_argument("--num-processes", type=int, help="multi-host: number of processes")
-    parser.add_argument("--process-id", type=int, help="multi-host: this process's id")
+    parser.add_argument("--fresh", action="store_true",
+                        help="delete the run folder (only a jtopoep run folder) and start over")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    parser.add_argument("--coordinator", help="multi-process: the coordinator's address, host:port")
+    parser.add_argument("--num-processes", type=int, help="multi-process: number of processes")
+    parser.add_argument("--process-id", type=int, help="multi-process: this process's id, from 0")
+    parser.add_argument("--connect-timeout", type=int, default=120, metavar="SECONDS",
+                        help="multi-process: give up when not every process has joined after this long")
     args = parser.parse_args(argv)
+    multi = (args.coordinator, args.num_processes, args.process_id)
+    if any(v is not None for v in multi) and not all(v is not None for v in multi):
+        parser.error("a multi-process run needs all of --coordinator, --num-processes and --process-id")
+    if args.num_processes is not None and not 0 <= args.process_id < args.num_processes:
+        parser.error(f"--process-id {args.process_id} must be in [0, --num-processes = {args.num_processes})")
+    return args
 
-    from jtopoep.config import ConfigError, load_config
 
-    try:
-        config = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+def train(args) -> int:
+    from jtopoep.config import load_config
+
+    config = load_config(args.config, args.overrides)
     import jax
 
     from jtopoep import xla_cpu
@@ -34,12 +56,14 @@ def main(argv=None) -> int:
         # Collectives between CPU processes (emulated multi-host runs) go over Gloo; GPU and TPU
         # backends use their own.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    try:
-        config.check_devices(jax.device_count())
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
+        try:
+            jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                                       initialization_timeout=args.connect_timeout)
+        except Exception as err:  # the coordinator's client reports a timeout as a plain runtime error
+            raise DistributedError(f"process {args.process_id} could not join the {args.num_processes}-process run "
+                                   f"at {args.coordinator} within {args.connect_timeout} s: "
+                                   f"{' '.join(str(err).split())[:300]}") from err
+    config.check_devices(jax.device_count())
 
     from train.loop import Trainer
 
@@ -48,6 +72,33 @@ def main(argv=None) -> int:
         print(f"done: step {last['step']} loss {last['loss']:.4f} eval {last.get('eval_loss', float('nan')):.4f} "
               f"-> {config.train.run_dir}")
     return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    warnings.showwarning = _one_line_warnings
+    from train.signals import Interrupted
+
+    try:
+        return train(args)
+    except Interrupted as stop:
+        print(stop, file=sys.stderr)
+        return 128 + stop.signum
+    except Exception as err:
+        # Bad input the user can fix (2), or a run that stopped on its numbers, disk or peers (1).
+        from jtopoep.config import ConfigError
+        from train.checkpoint import CheckpointError
+        from train.data import DataError
+        from train.loop import NonFiniteLossError, ReceiveCapacityError
+        from train.run_folder import RunFolderError
+
+        status = (2 if isinstance(err, (ConfigError, DataError, RunFolderError)) else
+                  1 if isinstance(err, (NonFiniteLossError, ReceiveCapacityError, CheckpointError,
+                                        DistributedError)) else None)
+        if args.debug or status is None:
+            raise
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":

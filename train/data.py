@@ -18,8 +18,15 @@ from jtopoep.config import DataConfig
 MAX_BYTES = 16 << 20  # read at most this much text: plenty for the small models trained here
 
 
-def _text_files(root: pathlib.Path, pattern: str) -> list[pathlib.Path]:
-    return sorted(p for p in root.rglob(pattern) if p.is_file() and "test" not in p.parts)
+class DataError(ValueError):
+    """Training data that cannot be used: a missing or empty folder, or too little text."""
+
+
+def _text_files(root: pathlib.Path, pattern: str, skip_tests: bool) -> list[pathlib.Path]:
+    """Files under root, less (for the standard library) its test suites, whose data files are not
+    Python text. Only folders below root count, so data kept under a folder named `test` is read."""
+    return sorted(p for p in root.rglob(pattern)
+                  if p.is_file() and not (skip_tests and "test" in p.relative_to(root).parts))
 
 
 def _split(files: list[pathlib.Path], root: pathlib.Path, eval_fraction: float):
@@ -46,7 +53,7 @@ def _read(files: list[pathlib.Path], limit: int) -> np.ndarray:
 class ByteDataset:
     def __init__(self, config: DataConfig, seq_len: int, vocab_size: int, seed: int = 0):
         if vocab_size < 256 and config.source != "synthetic":
-            raise ValueError(f"model.vocab_size = {vocab_size} is too small for byte-level text: expected >= 256")
+            raise DataError(f"model.vocab_size = {vocab_size} is too small for byte-level text: expected >= 256")
         self.seq_len, self.seed = seq_len, seed
         if config.source == "synthetic":
             rng = np.random.default_rng(seed)
@@ -61,10 +68,11 @@ class ByteDataset:
         else:
             root, pattern = pathlib.Path(config.path), "*"
             if not root.is_dir():
-                raise ValueError(f"data.path = {config.path!r} is not a directory")
-        files = _text_files(root, pattern)
+                what = "is a file" if root.exists() else "does not exist"
+                raise DataError(f"data.path = {config.path!r} {what}: expected a folder of text files")
+        files = _text_files(root, pattern, skip_tests=config.source == "stdlib")
         if not files:
-            raise ValueError(f"no text files ({pattern}) found under {root}")
+            raise DataError(f"data.path = {str(root)!r} holds no files: expected a folder of text files")
         train, evaluation = _split(files, root, config.eval_fraction)
         if not evaluation:
             evaluation = train[-1:]
@@ -73,7 +81,8 @@ class ByteDataset:
         self.eval = _read(evaluation, MAX_BYTES // 8)
         for name, data in (("train", self.train), ("eval", self.eval)):
             if len(data) <= seq_len + 1:
-                raise ValueError(f"the {name} split of {root} holds {len(data)} bytes, fewer than one sequence")
+                raise DataError(f"the {name} split of {root} holds {len(data)} bytes, fewer than one sequence of "
+                                f"model.seq_len + 1 = {seq_len + 1}: add text or shorten model.seq_len")
 
     def batch(self, step: int, batch_size: int, split: str = "train") -> np.ndarray:
         """int32 [batch_size, seq_len + 1]: random windows, a pure function of (seed, split, step)."""

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import json
 import pathlib
-import shutil
 import time
 from typing import Callable
 
@@ -29,13 +29,15 @@ from jtopoep.layer import ExpertParam
 from jtopoep.router import bias_update
 from jtopoep.topology import EP_AXES, make_mesh
 from models.moe_transformer import MoETransformer
+from train import records, run_folder
 from train.checkpoint import Checkpointer
 from train.data import ByteDataset
 from train.report import write_report
+from train.signals import Interrupted, StopSignals
 
 
 class NonFiniteLossError(FloatingPointError):
-    pass
+    """A step's loss or gradient was not finite; nothing of that step was saved."""
 
 
 class ReceiveCapacityError(RuntimeError):
@@ -52,8 +54,11 @@ def _adamw(learning_rate: float, warmup_steps: int, steps: int, grad_clip: float
            weight_decay: float) -> optax.GradientTransformation:
     """One transformation object per setting: it is part of the optimizer's static structure, so
     trainers with equal settings share the jitted step's compiled code."""
-    schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps, steps,
-                                                  end_value=learning_rate * 0.1)
+    if warmup_steps >= steps:  # a run shorter than its warm-up ends while the rate still rises
+        schedule = optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1))
+    else:
+        schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps, steps,
+                                                      end_value=learning_rate * 0.1)
     parts = [optax.clip_by_global_norm(grad_clip)] if grad_clip > 0 else []
     return optax.chain(*parts, optax.adamw(schedule, weight_decay=weight_decay))
 
@@ -149,8 +154,9 @@ def make_train_step(moe: MoEConfig, mesh):
                 layer.bias.set_value(bias_update(layer.bias.get_value(), layer_stats["counts"].sum(0),
                                                  moe.bias_update_rate))
         per_layer = ("imbalance_before", "imbalance_after", "inter_node_pairs", "counts", "dropped_pairs",
-                     "guest_copies", "kept_copies")
+                     "guest_copies", "kept_copies", "nonfinite_router", "nonfinite_output")
         summary = {"loss": loss, "ce": ce, **{k: jnp.stack([s[k] for s in stats], axis=1) for k in per_layer}}
+        summary["grads_finite"] = jnp.all(jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
         return jax.lax.with_sharding_constraint(summary, replicated)
 
     return train_step
@@ -182,16 +188,22 @@ class Trainer:
         # In a multi-host run every process trains, Orbax writes checkpoints from all of them, and
         # process 0 alone writes the run directory's logs, trace and report (a shared file system).
         self.is_main = jax.process_index() == 0
-        if fresh and self.is_main and self.run_dir.exists():
-            shutil.rmtree(self.run_dir)
+        # Every input is checked before anything is deleted or written: the folder, the data, and on
+        # resume that the folder holds this same run.
+        run_folder.check(self.run_dir, fresh)
+        self.data = ByteDataset(config.data, config.model.seq_len, config.model.vocab_size, config.train.seed)
+        if not fresh:
+            run_folder.check_resumable(self.run_dir, config_to_dict(config))
+        if fresh and self.is_main:
+            run_folder.clear(self.run_dir)
         if fresh:
             multihost_utils.sync_global_devices("jtopoep: run directory cleared")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.is_main:
+            run_folder.prepare(self.run_dir)
         self.topology = config.topology.to_topology()
         self.mesh = make_mesh(self.topology, data=config.topology.data_parallel)
         self.batch_sharding = NamedSharding(self.mesh, P(self.mesh.axis_names))
         self.micro_batch_sharding = NamedSharding(self.mesh, P(None, self.mesh.axis_names))
-        self.data = ByteDataset(config.data, config.model.seq_len, config.model.vocab_size, config.train.seed)
         self.model = create_sharded_model(config, self.topology, self.mesh)
         self.optimizer = nnx.Optimizer(self.model, make_optimizer(config), wrt=nnx.Param)
         replicate_unplaced(self.optimizer, self.mesh)
@@ -229,90 +241,102 @@ class Trainer:
         return float(np.mean([ce for ce, _ in results]))
 
     def _resume(self) -> int:
-        step = self.checkpointer.latest_step()
-        metrics_path = self.run_dir / "metrics.jsonl"
-        trace_path = self.run_dir / "counts.npz"
+        """Restore the newest readable checkpoint and cut the log and trace back to its step."""
+        step = self.checkpointer.restore_latest(self.model, self.optimizer)
+        metrics_path, trace_path = self.run_dir / "metrics.jsonl", self.run_dir / "counts.npz"
         if step is None:
             if self.is_main:
                 metrics_path.unlink(missing_ok=True)
                 trace_path.unlink(missing_ok=True)
             return 0
-        self.checkpointer.restore(step, self.model, self.optimizer)
-        if self.is_main and metrics_path.exists():  # drop what was logged after the checkpoint we resume from
-            kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= step]
-            metrics_path.write_text("".join(line + "\n" for line in kept))
-        if trace_path.exists():
-            with np.load(trace_path) as trace:
-                # By step, not by position: the run may have had another train.microbatches before.
-                # A trace without steps predates micro-batches: one entry per step.
-                steps = trace["step"] if "step" in trace else np.arange(1, len(trace["counts"]) + 1)
-                kept = steps <= step
-                self.counts, self.count_steps = list(trace["counts"][kept]), steps[kept].tolist()
+        if self.is_main:
+            records.keep_rows(metrics_path, step)
+        self.counts, self.count_steps = records.read_trace(trace_path, step)
         return step
 
-    def _save_trace(self) -> None:
+    def _save(self, step: int) -> None:
+        """Checkpoint `step` (unless it already is) and write the trace up to it."""
+        if self.checkpointer.latest_step() != step:
+            self.checkpointer.save(step, self.model, self.optimizer)
         if self.is_main and self.counts:
-            np.savez_compressed(self.run_dir / "counts.npz", counts=np.stack(self.counts).astype(np.int32),
-                                step=np.asarray(self.count_steps, np.int32))
+            records.write_trace(self.run_dir / "counts.npz", self.counts, self.count_steps)
 
-    def _log(self, row: dict) -> None:
-        if not self.is_main:
-            return
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+    def _check(self, summary: dict, step: int) -> None:
+        """Refuse a step whose numbers are not finite or whose plans did not fit, before anything of
+        it is saved: the last checkpoint stays the last good state."""
+        good = f"last good checkpoint: step {self.checkpointer.latest_step()}"
+        output = np.asarray(summary["nonfinite_output"]).any(0)  # per layer, over the micro-batches
+        router = np.asarray(summary["nonfinite_router"]).any(0)
+        where = ""
+        if router.any() or output.any():
+            layer = int(np.flatnonzero(router | output)[0])
+            where = f"; first at MoE layer {layer} ({'router logits' if router[layer] else 'its output'})"
+        if not np.isfinite(summary["loss"]):
+            raise NonFiniteLossError(f"non-finite loss {summary['loss']} at step {step}{where}; {good}")
+        if not summary["grads_finite"]:
+            raise NonFiniteLossError(f"non-finite gradient at step {step}{where}; {good}")
+        dropped = np.asarray(summary["dropped_pairs"]).sum(0)  # per layer, over the micro-batches
+        if dropped.any():
+            # Pairs that did not fit a receive buffer were not computed: refuse the step.
+            layer = int(np.flatnonzero(dropped)[0])
+            raise ReceiveCapacityError(
+                f"step {step}: MoE layer {layer} planned more pairs for some rank than its receive buffer "
+                f"holds ({int(dropped[layer])} pairs did not fit; moe.recv_capacity_factor = "
+                f"{self.config.moe.recv_capacity_factor}); raise moe.recv_capacity_factor, or set it to 0 "
+                f"for room for every pair; {good}")
+
+    def _step(self, step: int) -> dict:
+        """Train one step, check it, and return its metrics row."""
+        t = self.config.train
+        began = time.perf_counter()
+        summary = jax.device_get(self.train_step(self.model, self.optimizer, self._device_batch(step)))
+        seconds = time.perf_counter() - began
+        done = step + 1
+        self._check(summary, done)
+        self.counts.extend(np.asarray(summary["counts"]))  # one [layers, R, E] entry per micro-batch
+        self.count_steps.extend([done] * t.microbatches)
+        # Per layer: imbalance averaged over the step's micro-batches, pairs and copies summed.
+        row = {"step": done, "loss": float(summary["loss"]), "ce": float(summary["ce"]),
+               "tokens_per_s": t.batch_size * self.config.model.seq_len / seconds, "step_s": seconds,
+               "imbalance_before": np.asarray(summary["imbalance_before"]).mean(0).round(4).tolist(),
+               "imbalance_after": np.asarray(summary["imbalance_after"]).mean(0).round(4).tolist(),
+               "inter_node_pairs": np.asarray(summary["inter_node_pairs"]).sum(0).tolist(),
+               # Guest copies made, and those kept from the step's previous micro-batch (not fetched).
+               "guest_copies": np.asarray(summary["guest_copies"]).sum(0).tolist(),
+               "kept_copies": np.asarray(summary["kept_copies"]).sum(0).tolist()}
+        if done % t.eval_every == 0 or done == t.steps:
+            row["eval_loss"] = self.evaluate()
+        return row
 
     def run(self) -> dict:
+        """Train to train.steps from the newest checkpoint; the last step's metrics row. SIGTERM or
+        Ctrl-C stops after the step in progress, checkpoints it and raises Interrupted."""
         t = self.config.train
         if self.is_main:
-            (self.run_dir / "config.json").write_text(json.dumps(config_to_dict(self.config), indent=2))
+            run_folder.write_atomic(self.run_dir / "config.json", json.dumps(config_to_dict(self.config), indent=2))
         start = self._resume()
-        tokens_per_step = t.batch_size * self.config.model.seq_len
         bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc=f"train [{self.config.moe.planner}]",
                    disable=not self.is_main)
         last = None
-        for step in bar:
-            began = time.perf_counter()
-            summary = jax.device_get(self.train_step(self.model, self.optimizer, self._device_batch(step)))
-            seconds = time.perf_counter() - began
-            done = step + 1
-            if not np.isfinite(summary["loss"]):
-                # Stop before anything is saved: the last checkpoint stays the last good state.
-                raise NonFiniteLossError(f"non-finite loss {summary['loss']} at step {done}; last good checkpoint: "
-                                         f"step {self.checkpointer.latest_step()}")
-            dropped = np.asarray(summary["dropped_pairs"]).sum(0)  # per layer, over the micro-batches
-            if dropped.any():
-                # Pairs that did not fit a receive buffer were not computed: refuse the step, as for a
-                # non-finite loss, before anything is saved.
-                layer = int(np.flatnonzero(dropped)[0])
-                raise ReceiveCapacityError(
-                    f"step {done}: MoE layer {layer} planned more pairs for some rank than its receive buffer "
-                    f"holds ({int(dropped[layer])} pairs did not fit; moe.recv_capacity_factor = "
-                    f"{self.config.moe.recv_capacity_factor}); raise moe.recv_capacity_factor, or set it to 0 "
-                    f"for room for every pair; last good checkpoint: step {self.checkpointer.latest_step()}")
-            self.counts.extend(np.asarray(summary["counts"]))  # one [layers, R, E] entry per micro-batch
-            self.count_steps.extend([done] * self.config.train.microbatches)
-            # Per layer: imbalance averaged over the step's micro-batches, pairs and copies summed.
-            row = {"step": done, "loss": float(summary["loss"]), "ce": float(summary["ce"]),
-                   "tokens_per_s": tokens_per_step / seconds, "step_s": seconds,
-                   "imbalance_before": np.asarray(summary["imbalance_before"]).mean(0).round(4).tolist(),
-                   "imbalance_after": np.asarray(summary["imbalance_after"]).mean(0).round(4).tolist(),
-                   "inter_node_pairs": np.asarray(summary["inter_node_pairs"]).sum(0).tolist(),
-                   # Guest copies made, and those kept from the step's previous micro-batch (not fetched).
-                   "guest_copies": np.asarray(summary["guest_copies"]).sum(0).tolist(),
-                   "kept_copies": np.asarray(summary["kept_copies"]).sum(0).tolist()}
-            if done % t.eval_every == 0 or done == t.steps:
-                row["eval_loss"] = self.evaluate()
-            self._log(row)
-            bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
-                            imb=f"{max(row['imbalance_before']):.2f}->{max(row['imbalance_after']):.2f}")
-            for hook in self.hooks:
-                if done % hook.every == 0:
-                    hook.fn(self, done, row)
-            if done % t.checkpoint_every == 0 or done == t.steps:
-                self.checkpointer.save(done, self.model, self.optimizer)
-                self._save_trace()
-            last = row
+        with StopSignals() as signals:
+            for step in bar:
+                last = self._step(step)
+                done = last["step"]
+                if self.is_main and (done % t.log_every == 0 or "eval_loss" in last or done == t.steps):
+                    records.append_row(self.run_dir / "metrics.jsonl", last)
+                bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}",
+                                imb=f"{max(last['imbalance_before']):.2f}->{max(last['imbalance_after']):.2f}")
+                for hook in self.hooks:
+                    if done % hook.every == 0:
+                        hook.fn(self, done, last)
+                if done % t.checkpoint_every == 0 or done == t.steps or signals.received is not None:
+                    self._save(done)
+                if signals.received is not None:
+                    self.checkpointer.close()
+                    raise Interrupted(signals.received, done)
         self.checkpointer.close()  # the last step always checkpoints and saves the trace
         if self.is_main and (self.run_dir / "metrics.jsonl").exists():
-            write_report(self.run_dir, self.config.moe.planner)
+            buffer = io.BytesIO()
+            write_report(self.run_dir, self.config.moe.planner, buffer)
+            run_folder.write_atomic(self.run_dir / "report.png", buffer.getvalue())
         return last or {}

@@ -15,7 +15,8 @@ def read_metrics(path: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def write_report(run_dir: pathlib.Path, planner: str) -> pathlib.Path:
+def write_report(run_dir: pathlib.Path, planner: str, out=None):
+    """Draw the run's metrics into `out` (a path or a binary file; run_dir/report.png by default)."""
     rows = read_metrics(run_dir / "metrics.jsonl")
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
@@ -37,7 +38,7 @@ def write_report(run_dir: pathlib.Path, planner: str) -> pathlib.Path:
     axes[2].plot(steps, [sum(r["inter_node_pairs"]) for r in train])
     axes[2].set(xlabel="step", ylabel="pairs (all MoE layers)", title="inter-node dispatched pairs")
     fig.tight_layout()
-    out = run_dir / "report.png"
-    fig.savefig(out, dpi=110)
+    out = run_dir / "report.png" if out is None else out
+    fig.savefig(out, dpi=110, format="png")
     plt.close(fig)
     return out
