@@ -24,7 +24,7 @@ from jtopoep.costmodel import ExpertDims
 from jtopoep.dispatch import moe_dispatch, receive_rows
 from jtopoep.guests import ExpertWeights, GuestCopies, kept_slots
 from jtopoep.metrics import counts_imbalance, imbalance, inter_node_pairs
-from jtopoep.plan import contiguous_placement
+from jtopoep.plan import contiguous_placement, plan_fingerprint
 from jtopoep.planners import get_planner
 from jtopoep.router import route
 from jtopoep.topology import EP_AXES, Topology
@@ -123,6 +123,7 @@ class MoELayer(nnx.Module):
                                     backend=moe.transport, hierarchical=moe.hierarchical,
                                     recv_rows=self.recv_rows(tokens.shape[0]), previous=previous,
                                     weight_chunks=moe.guest_weight_chunks)
+            fingerprint = plan_fingerprint(stats.plan)
             scalars = {
                 "aux_loss": jax.lax.pmean(routed.aux_loss, batch_axes),
                 "z_loss": jax.lax.pmean(routed.z_loss, batch_axes),
@@ -130,7 +131,13 @@ class MoELayer(nnx.Module):
                 # the first layer where a non-finite loss began.
                 "nonfinite_router": jax.lax.pmax((~jnp.isfinite(logits).all()).astype(jnp.int32), batch_axes),
                 "nonfinite_output": jax.lax.pmax((~jnp.isfinite(y).all()).astype(jnp.int32), batch_axes),
+                # Every rank of an expert-parallel group must hold the same plan, bit for bit: 1 when
+                # their fingerprints differ (a nondeterministic planner or a corrupted all-gather).
+                "plans_differ": (jax.lax.pmax(fingerprint, EP_AXES) != jax.lax.pmin(fingerprint, EP_AXES)
+                                 ).astype(jnp.int32),
             }
+            if len(batch_axes) > len(EP_AXES):  # expert-parallel groups side by side: any of them
+                scalars["plans_differ"] = jax.lax.pmax(scalars["plans_differ"], batch_axes)
             per_device = {
                 "imbalance_before": counts_imbalance(stats.counts, placement),
                 "imbalance_after": imbalance(stats.plan),
@@ -146,7 +153,8 @@ class MoELayer(nnx.Module):
             held = GuestCopies(stats.guests.experts[None], stats.guests.weights) if keep else None
             return y.reshape(b, length, d), scalars, jax.tree.map(lambda a: a[None], per_device), held
 
-        stats_spec = {"aux_loss": P(), "z_loss": P(), "nonfinite_router": P(), "nonfinite_output": P()}
+        stats_spec = {"aux_loss": P(), "z_loss": P(), "nonfinite_router": P(), "nonfinite_output": P(),
+                      "plans_differ": P()}
         held_spec = GuestCopies(token_spec, ExpertWeights(token_spec, token_spec, token_spec)) if keep else P()
         fn = jax.shard_map(body, mesh=self.mesh,
                            in_specs=(token_spec, P(), expert_spec, expert_spec, expert_spec, P(), held_spec),

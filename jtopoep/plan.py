@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
@@ -116,3 +117,16 @@ def check_plan(plan: Plan, counts, placement=None) -> None:
         s, e = np.argwhere(routed != counts)[0]
         raise ValueError(f"pairs from source {s} to expert {e} are not conserved: the plan routes "
                          f"{routed[s, e]}, the counts have {counts[s, e]}")
+
+
+def plan_fingerprint(plan: Plan) -> Int[Array, ""]:
+    """An int32 digest of every entry of the plan (each weighted by a mix of its index, wrapping
+    uint32 arithmetic): equal on every device exactly when their plans are, up to collisions."""
+    parts = []
+    for offset, array in enumerate((plan.slot_expert, plan.route)):
+        flat = array.reshape(-1).astype(jnp.uint32) + jnp.uint32(1)
+        index = jnp.arange(flat.shape[0], dtype=jnp.uint32) + jnp.uint32(offset << 28)
+        mix = (index ^ (index >> 16)) * jnp.uint32(0x45D9F3B)
+        parts.append((flat * (mix ^ (mix >> 16))).sum(dtype=jnp.uint32))
+    return jax.lax.bitcast_convert_type(parts[0] * jnp.uint32(0x9E3779B1) + parts[1], jnp.int32)
+

@@ -51,3 +51,18 @@ def test_guest_copy_conserves():
         r[1, 0, 0] -= 1
         r[1, 3, 2] += 1
     check_plan(broken(move), COUNTS)
+
+
+def test_plan_fingerprint_changes_with_any_entry():
+    import jax.numpy as jnp
+
+    from jtopoep.plan import home_plan, plan_fingerprint
+
+    counts = jnp.arange(8 * 16, dtype=jnp.int32).reshape(8, 16) % 5
+    plan = home_plan(counts, jnp.arange(16, dtype=jnp.int32).reshape(8, 2), 2)
+    base = int(plan_fingerprint(plan))
+    assert base == int(plan_fingerprint(home_plan(counts, jnp.arange(16, dtype=jnp.int32).reshape(8, 2), 2)))
+    moved = plan._replace(route=plan.route.at[0, 0, 0].add(-1).at[0, 1, 2].add(1))  # same totals, moved
+    assert int(plan_fingerprint(moved)) != base
+    copied = plan._replace(slot_expert=plan.slot_expert.at[3, 2].set(0))
+    assert int(plan_fingerprint(copied)) != base

@@ -89,12 +89,12 @@ def main(argv=None) -> int:
         from jtopoep.config import ConfigError
         from train.checkpoint import CheckpointError
         from train.data import DataError
-        from train.loop import NonFiniteLossError, ReceiveCapacityError
+        from train.loop import NonFiniteLossError, PlanMismatchError, ReceiveCapacityError
         from train.run_folder import RunFolderError
 
         status = (2 if isinstance(err, (ConfigError, DataError, RunFolderError)) else
                   1 if isinstance(err, (NonFiniteLossError, ReceiveCapacityError, CheckpointError,
-                                        DistributedError)) else None)
+                                        PlanMismatchError, DistributedError)) else None)
         if args.debug or status is None:
             raise
         print(f"error: {' '.join(str(err).split())}", file=sys.stderr)

@@ -40,6 +40,10 @@ class NonFiniteLossError(FloatingPointError):
     """A step's loss or gradient was not finite; nothing of that step was saved."""
 
 
+class PlanMismatchError(RuntimeError):
+    """The ranks of an expert-parallel group computed different plans."""
+
+
 class ReceiveCapacityError(RuntimeError):
     """A plan sent some rank more pairs than its receive buffer holds (moe.recv_capacity_factor)."""
 
@@ -154,7 +158,7 @@ def make_train_step(moe: MoEConfig, mesh):
                 layer.bias.set_value(bias_update(layer.bias.get_value(), layer_stats["counts"].sum(0),
                                                  moe.bias_update_rate))
         per_layer = ("imbalance_before", "imbalance_after", "inter_node_pairs", "counts", "dropped_pairs",
-                     "guest_copies", "kept_copies", "nonfinite_router", "nonfinite_output")
+                     "guest_copies", "kept_copies", "nonfinite_router", "nonfinite_output", "plans_differ")
         summary = {"loss": loss, "ce": ce, **{k: jnp.stack([s[k] for s in stats], axis=1) for k in per_layer}}
         summary["grads_finite"] = jnp.all(jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
         return jax.lax.with_sharding_constraint(summary, replicated)
@@ -275,6 +279,11 @@ class Trainer:
             raise NonFiniteLossError(f"non-finite loss {summary['loss']} at step {step}{where}; {good}")
         if not summary["grads_finite"]:
             raise NonFiniteLossError(f"non-finite gradient at step {step}{where}; {good}")
+        differ = np.asarray(summary["plans_differ"]).any(0)
+        if differ.any():
+            raise PlanMismatchError(f"step {step}: the ranks of MoE layer {int(np.flatnonzero(differ)[0])} computed "
+                                    f"different plans (their fingerprints differ), so their exchanges would not "
+                                    f"match; {good}")
         dropped = np.asarray(summary["dropped_pairs"]).sum(0)  # per layer, over the micro-batches
         if dropped.any():
             # Pairs that did not fit a receive buffer were not computed: refuse the step.

@@ -98,3 +98,22 @@ def test_nan_in_a_router_names_the_step_and_the_layer(devices, tmp_path):
     with pytest.raises(NonFiniteLossError, match=r"non-finite loss nan at step 3; first at MoE layer 1 \(router "
                                                  r"logits\); last good checkpoint: step 2"):
         trainer.run()
+
+
+def test_ranks_with_different_plans_stop_the_run(devices, tmp_path):
+    """The step reports whether the ranks' plan fingerprints differed (jtopoep.plan.plan_fingerprint);
+    the trainer stops on it before saving, naming the layer. Here the report is forged at step 3."""
+    from train.loop import PlanMismatchError
+
+    trainer = Trainer(tiny(tmp_path, "run"))
+    step, calls = trainer.train_step, []
+
+    def forged(*args):
+        out = step(*args)
+        calls.append(1)
+        return {**out, "plans_differ": out["plans_differ"].at[0, 1].set(1)} if len(calls) == 3 else out
+
+    trainer.train_step = forged
+    with pytest.raises(PlanMismatchError, match="step 3: the ranks of MoE layer 1 computed different plans"):
+        trainer.run()
+    assert trainer.checkpointer.latest_step() == 2
