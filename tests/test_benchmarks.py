@@ -107,3 +107,28 @@ def test_gpu_check_of_kept_copies_runs(devices):
     assert out["kept_copies"]["kept"] > 0
 
 
+
+
+def test_deepseek_eplb_replicates_by_load_and_packs_evenly():
+    from benchmarks import deepseek_eplb
+
+    loads = np.array([90.0, 10, 10, 10, 5, 5, 5, 5])
+    replicas = deepseek_eplb.replicate(loads, 12)
+    assert replicas.sum() == 12 and replicas[0] == 5  # 90 / 5 = 18 is the largest load per replica
+    packs = deepseek_eplb.pack(np.array([5.0, 4, 3, 3, 2, 1]), 3)
+    assert np.bincount(packs).tolist() == [2, 2, 2]
+    assert sorted(np.bincount(packs, weights=[5.0, 4, 3, 3, 2, 1]).tolist()) == [6, 6, 6]
+    rank_loads = deepseek_eplb.global_policy(loads, 4, 3)
+    # Five replicas of 18 on four ranks: one holds two, plus the lightest replica (5): 41 is optimal.
+    assert rank_loads.sum() == loads.sum() and rank_loads.max() == 41
+    rank_loads = deepseek_eplb.hierarchical_policy(loads, 2, 2, 3, 2)
+    assert rank_loads.sum() == loads.sum() and rank_loads.shape == (4,)
+
+
+def test_scale_benchmark_loads_keep_every_pair():
+    from benchmarks import scale
+
+    for family in scale.FAMILIES:
+        mats = scale.loads(family, 16, 256, steps=2)
+        assert mats.shape == (2, 16, 256) and (mats.sum(2) == scale.TOKENS * scale.TOP_K).all(), family
+        assert (mats <= scale.TOKENS).all()

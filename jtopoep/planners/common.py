@@ -40,19 +40,15 @@ class PlannerBase:
     price_transfers: bool = True
     # Share of the token-exchange time a copy saves (pricing.exchange_saving: the fall of the
     # largest scale-out receive, tracked as copies are made) that counts toward paying for its
-    # weight transfer; 0 counts only the GEMM time saved. From benchmarks.cluster (K = 1, 2, 4;
-    # inter-node bandwidth x0.5, 1, 2; four models): a quarter was at or above no credit in every
-    # setting for both topoep and taot, and lifted Qwen1.5-MoE at half bandwidth from 41% to 79% of
-    # ideal's gain (topoep); the whole saving lost up to 1.2 points on DeepSeek-V3 at half bandwidth,
-    # where the tracked receives (an estimate of locality-tiered routing) are off by a few percent
-    # and many ranks are within that of the largest. Needs dims and price_transfers.
+    # weight transfer; 0 counts only the GEMM time saved. A quarter, not all of it: the tracked
+    # receives only estimate the routing that follows, and where many ranks receive about as much
+    # the whole saving overstates it (benchmarks.cluster's sensitivity tables chose the value).
+    # Needs dims and price_transfers.
     exchange_credit: float = 0.25
     # Locality-tiered routing (topoep, taot) re-divides the pairs each expert sends across nodes
     # among its copies to level the ranks' scale-out receive (routing.level_receive), raising ranks
-    # up to the busiest rank's load but not past it, so the GEMM term stays. From benchmarks.cluster
-    # (K = 2, topoep at 265 us): 92.7/89.6/82.1/92.2% of ideal's gain without, 93.4/91.3/83.7/93.0%
-    # with, and 68.5 -> 73.3% on Mixtral at half the inter-node bandwidth. Capped at T* instead of
-    # the busiest rank's load, it gained almost nothing. False keeps every slot at its quota.
+    # up to the busiest rank's load but not past it, so the GEMM term stays (capped at T* instead,
+    # it barely levels anything). False keeps every slot at its quota.
     level_receive: bool = True
 
     def __post_init__(self):
@@ -130,13 +126,9 @@ def set_entry(array, index: tuple, value):
     """array with the one entry at `index` (a tuple of scalar indices, in bounds) set to value.
 
     For the loops that change one entry of a state array per step. Written as a masked select over
-    the whole array, (row == r) & (column == c), XLA:CPU rewrites every entry, one byte or word at a
-    time, each step. For topoep's [32, 32] bool `holds` those stores stalled in about half of the
-    compilations (a perf profile of a slow and a fast executable, the same machine code, put the
-    slow one's samples on them; why only there was not found), and topoep up to the end of its copy
-    loop took 125 us a call instead of 70. A dynamic_update_slice of one entry writes one, in place:
-    eight compilations took 64-71 us. It is no scatter, so the loop still compiles as one kernel
-    (jtopoep.xla_cpu)."""
+    the whole array, (row == r) & (column == c), XLA:CPU rewrites every entry each step, and those
+    stores stalled in some compilations; a dynamic_update_slice of one entry writes one, in place.
+    It is no scatter, so the loop still compiles as one kernel (jtopoep.xla_cpu)."""
     value = jnp.asarray(value, array.dtype).reshape((1,) * array.ndim)
     return jax.lax.dynamic_update_slice(array, value, index)
 
@@ -190,10 +182,9 @@ def num_copy_candidates(num_experts: int, num_ranks: int, guest_slots: int) -> i
     """How many experts a copy loop considers: min(E, R * K, R).
 
     Spill is attributed to each overloaded rank's hottest experts first, so each rank's spill spans
-    few experts: the load families in benchmarks/ have at most 28 spilling experts on 32 ranks. With
-    more than R, the ones with the least spill keep it at home (a plan that is less balanced, never
-    a lost pair). Capping at R halves taot's per-step [C, R] work at K = 2 (about 800 -> 500 us on
-    this CPU) for the same plans on every benchmark family."""
+    few experts, fewer than R on every benchmark load family. With more than R, the ones with the
+    least spill keep it at home (a plan that is less balanced, never a lost pair). Capping at R
+    bounds taot's per-step [C, R] work without changing the plans on those families."""
     return min(num_experts, num_ranks * guest_slots, num_ranks)
 
 
@@ -212,8 +203,8 @@ def spill_candidates(spill, loads, num: int):
 
 def prefix_sum(x, axis: int = 0, xp=jnp):
     """Inclusive prefix sums along `axis`. XLA:CPU lowers jnp.cumsum to a reduce-window whose cost
-    grows with the square of the axis; an associative scan does log2(n) passes instead (about 3x
-    faster on a [32, 256] array here) and gives the same integers on any backend."""
+    grows with the square of the axis; an associative scan does log2(n) passes instead and gives
+    the same integers on any backend."""
     if xp is np:
         return np.cumsum(x, axis=axis)
     return jax.lax.associative_scan(jnp.add, x, axis=axis)

@@ -17,10 +17,9 @@ from jtopoep.topology import Topology
 # Guest slots per rank that copy_overshedding counts. Beyond two, a rank's further copies seldom pay
 # for their weight transfers (they hide behind the same home-slot GEMMs, and the pricing refuses
 # them), yet counted as open slots they kept copies from taking all of a rank's room, so the last
-# spills found no rank that could take them at a price: with K = 3 or 4 topoep's plans for Mixtral
-# left ranks 8% above the target where K = 2 left none, and projected 83% of ideal's gain against
-# 91% (benchmarks.cluster). Counting two, a copy into a rank's second slot may fill its room at any
-# K, as at K = 2; the further slots still take the copies that pay.
+# spills found no rank that could take them at a price (with K = 3 or 4, Mixtral's plans were left
+# above the target in benchmarks.cluster). Counting two, a copy into a rank's second slot may fill
+# its room at any K, as at K = 2; the further slots still take the copies that pay.
 OVERSHED_SLOTS = 2
 
 # Columns of CopyState.ranks: room, slots used, then K guest expert ids, then their K quotas.

@@ -26,11 +26,9 @@ def _nonnegative_div(a, b: int, xp):
     return a // b if xp is np else jax.lax.div(a, jnp.asarray(b, a.dtype))
 
 
-# Rounds of node_shares' relaxation. In the cluster projection (K = 2, four models, both planners,
-# inter-node bandwidth x1 and x0.5) two rounds moved no share of ideal's gain by more than 0.1
-# point from one (nor from three, at x1). Two also keep the rounds a loop: XLA inlines a loop of
-# one round into separate kernels, which cost this CPU about 80 us, against about 27 for two rounds
-# as one kernel.
+# Rounds of node_shares' relaxation. More rounds barely move the cluster projection; two, not one,
+# keep the rounds a loop, which XLA:CPU compiles as one kernel (a loop of one round it inlines into
+# separate, slower kernels).
 BALANCE_ROUNDS = 2
 
 
@@ -67,8 +65,7 @@ def top_up(amount, room, total, xp=jnp):
     fewer short than members with room left; topped up, a node's sources and copies agree on how many
     pairs it keeps, and none crosses nodes for want of rounding. The members with room up to each one
     are counted by cumsum, which XLA:CPU lowers to one reduce-window kernel costing G^2 per column:
-    nothing for the few GPUs of a node, and about 5% of topoep's latency less than a product with a
-    [G, G] triangle of ones (a dot, with its transposes)."""
+    cheap for the few GPUs of a node, and cheaper than a product with a [G, G] triangle of ones."""
     short = total - amount.sum(1)
     has_room = amount < room
     order = xp.cumsum(has_room.astype(xp.int32), axis=1)  # members with room up to each
@@ -138,14 +135,13 @@ def node_shares(counts, slot_expert, supply, room, real, compact_expert, home_ra
     return shares[:nodes].reshape(num_ranks, num_ids), shares[nodes:].reshape(num_ranks, num_ids), fixed_receive
 
 
-# Rounds of level_receive's relaxation. In a NumPy prototype on the cluster projection's layers
-# (benchmarks.cluster's traces, topoep's plans) two rounds levelled the scale-out receive better
-# than one on DeepSeek-V2-Lite (exchange -3.2 ms a step against -2.6) and as well elsewhere; as a
-# loop, XLA:CPU runs them as one kernel (see BALANCE_ROUNDS).
+# Rounds of level_receive's relaxation: two level the scale-out receive better than one where a
+# hot expert's copies span several nodes; as a loop, XLA:CPU runs them as one kernel (see
+# BALANCE_ROUNDS).
 LEVEL_ROUNDS = 2
 # Copies per expert that level_receive re-divides (the first ones in rank order; any further copies
-# keep what they take). Filling over every rank instead gave the same cluster projections (K = 2,
-# four models, both bandwidths tried) and cost topoep about 60 us more on this CPU.
+# keep what they take): filling over every rank gave the same cluster projections at a higher
+# planning cost.
 LEVEL_MEMBERS = 8
 
 
@@ -192,7 +188,7 @@ def level_receive(cross, present, fixed, load, xp=jnp):
     def relax(_, carry):
         # Each round settles the shares the round before found, then fills anew. The shares travel
         # to the next round in the loop's state: read back by a gather in the round that fills
-        # them, XLA fused the whole fill into every element of that gather (topoep 8 us slower).
+        # them, XLA fused the whole fill into every element of that gather.
         cross, load, shares = carry
         cross, load = settle(cross, load, shares)
         receive = fixed + cross.sum(1)
@@ -321,7 +317,7 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
             capacity = xp.where(shared, cross[rank, safe], capacity)
         # Each source's in-node pairs, [source, listed slot], by a scatter of the [m, G] array: read
         # back by a gather instead, XLA fused the whole in-node transport into every element of the
-        # anywhere tier below (routing 7% slower on CPU).
+        # anywhere tier below.
         flow = scatter_add((num_ranks, m), (src, xp.broadcast_to(ids[:, None], src.shape)), in_node, xp)
     else:
         flow = xp.zeros((num_ranks, m), xp.int32)  # [source, listed slot]: no in-node tier
@@ -330,7 +326,7 @@ def plan_from_quotas(counts, slot_expert, quota, gpus_per_node: int, tiered: boo
     anywhere = _overlap(prefix_sum(supply, 0, xp), supply, c_hi[None, :], capacity[None, :], xp)
     flow = xp.where(valid[None, :], flow + anywhere, 0)
     # Written into the listed slots' columns by a scatter, which makes XLA compute `flow` once; as a
-    # gather it fused the whole transport into every element of the route (3x slower on CPU). Each
+    # gather it fused the whole transport into every element of the route Each
     # slot is listed at most once; unused entries point past the end, each somewhere else, and drop.
     if xp is np:
         route = base.copy()

@@ -49,11 +49,7 @@ def locality_swaps(counts, placement, guests, quotas, cand, topology: Topology, 
     model's condition for a transfer to cost no time: first levelling swaps, with the rank whose
     estimated scale-out receive (scale_out_receive) is the largest, since the exchange waits for it,
     and the partner that receives the most after it; once that rank has none, the swap with the
-    largest net saving of bytes, while one saves more than it ships. (On benchmarks.cluster's
-    traces, K = 2, the levelling swaps took topoep from 95/92/85/93% of ideal's gain to
-    100/97/86/95% on Mixtral, DeepSeek-V2-Lite, Qwen1.5-MoE and DeepSeek-V3, and taot from
-    84/88/78/92% to 94/96/81/96%; about six swaps instead of one on the Zipf 1.0 latency load,
-    some 35 us of topoep's latency on this CPU.)
+    largest net saving of bytes, while one saves more than it ships.
 
     guests, quotas: [R, K] copies already made (expert id or -1, pairs each); cand: [C] the copy
     loop's candidates (spill_candidates), among which routing lists every guest's expert, so the

@@ -49,15 +49,12 @@ from jtopoep.planners.sinkhorn import sinkhorn
 @dataclasses.dataclass(frozen=True)
 class TaotPlanner(PlannerBase):
     # Defaults from the planner benchmark's sweep (benchmarks/results/planners.md): epsilon 1.0 gave
-    # the best balance and reaches a marginal error of 2e-5 in 10 iterations (3e-7 in 20, with the same
-    # plans on 280 benchmark loads, for about 35 us more); 0.05 had not converged after 50 (error 0.09).
+    # the best balance and converges within 10 iterations (more give the same plans); much smaller
+    # values do not converge in any affordable number.
     epsilon: float = 1.0  # Sinkhorn regularisation in link-cost units (1 = one NVLink byte)
     iterations: int = 10  # Sinkhorn iterations (static)
-    # The score's locality terms, from the same benchmark's sweep (taot_score, E = 256, K = 2): with
-    # 2.0 and 0.2, taot's weighted communication cost is the lowest of the planners on the real
-    # traces and Zipf 1.0, at a median imbalance at most 4% above the bound; with 1.0 and 0.0 (copy
-    # weights unpriced) it balanced as well but cost 0.3-0.6% more than topoep's plans, and with
-    # weight_cost 0.3 it cost less still but came within 0.5% of the 5% balance target.
+    # The score's locality terms, from the same benchmark's sweep: these give taot the lowest
+    # weighted communication cost of the planners while keeping its balance near the bound.
     locality_weight: float = 2.0  # weight of the pairs a copy keeps off the scale-out link
     weight_cost: float = 0.2  # weight of a copy's weight-transfer bytes times its link cost
 
@@ -147,11 +144,8 @@ class TaotPlanner(PlannerBase):
             # runs, so once no move is worth it the loop ends.
             feasible &= score > 0
             # The masked score is computed once, behind an optimization barrier, and searched by
-            # first_argmax's two plain reductions (the maximum, then its first index). Without the
-            # barrier XLA fuses the whole score into both reductions, and jnp.argmax's one reduction
-            # of (value, index) pairs, which it does not vectorise, was the faster of those two;
-            # with it, taot is 2.6% faster than with jnp.argmax (interleaved A/B, three compilations
-            # each, the same plans).
+            # first_argmax's two plain reductions (the maximum, then its first index): without the
+            # barrier XLA would fuse the whole score into both reductions.
             masked = jax.lax.optimization_barrier(jnp.where(feasible, score, -jnp.inf))
             flat = first_argmax(masked).astype(jnp.int32)
             e, d = flat // num_ranks, flat % num_ranks

@@ -122,10 +122,8 @@ class TopoEPPlanner(PlannerBase):
             # slots, good balance). Each test compares every node with every other ([N, N], one
             # kernel each; a maximum, then a comparison with it, takes two): x - 0.1 |x| rises with
             # x, so clearing every big node's own threshold is clearing the best one's. (Choosing by
-            # the copy's worth in seconds instead, GEMM and exchange saved less the transfer it
-            # exposes, with bytes priced over every rank's scale-out link, gained 1-2 points of
-            # ideal's gain on DeepSeek-V2-Lite and Qwen1.5-MoE but lost 5.5 on Qwen1.5-MoE at half
-            # the inter-node bandwidth: benchmarks.cluster.)
+            # the copy's worth in seconds instead was less robust to a slower scale-out link in
+            # benchmarks.cluster.)
             big = usable & jnp.all(2 * absorb[:, None] >= absorb[None, :], axis=1)
             threshold = saved - 0.1 * jnp.abs(saved)
             near = big & jnp.all(~big[None, :] | (saved[:, None] >= threshold[None, :]), axis=1)
