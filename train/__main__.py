@@ -6,7 +6,9 @@ after checkpointing. Errors are one line; --debug shows the traceback.
 """
 
 import argparse
+import os
 import sys
+import threading
 import warnings
 
 class DistributedError(RuntimeError):
@@ -40,6 +42,32 @@ def parse_args(argv):
     return args
 
 
+def join(args) -> None:
+    """Join the multi-process run, or stop with one line after --connect-timeout seconds. XLA's
+    coordination client aborts the whole process when its own deadline passes, so a watchdog with
+    the user's deadline ends the process first, cleanly (the client waits without holding the GIL)."""
+    import jax
+
+    message = (f"error: process {args.process_id} could not join the {args.num_processes}-process run at "
+               f"{args.coordinator} within {args.connect_timeout} s: start every process, with the same "
+               f"--coordinator and --num-processes and its own --process-id")
+
+    def give_up():
+        print(message, file=sys.stderr, flush=True)
+        os._exit(1)
+
+    watchdog = threading.Timer(args.connect_timeout, give_up)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                                   initialization_timeout=args.connect_timeout + 60)
+    except Exception as err:
+        raise DistributedError(f"{message[len('error: '):]} ({' '.join(str(err).split())[:300]})") from err
+    finally:
+        watchdog.cancel()
+
+
 def train(args) -> int:
     from jtopoep.config import load_config
 
@@ -56,13 +84,7 @@ def train(args) -> int:
         # Collectives between CPU processes (emulated multi-host runs) go over Gloo; GPU and TPU
         # backends use their own.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        try:
-            jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                                       initialization_timeout=args.connect_timeout)
-        except Exception as err:  # the coordinator's client reports a timeout as a plain runtime error
-            raise DistributedError(f"process {args.process_id} could not join the {args.num_processes}-process run "
-                                   f"at {args.coordinator} within {args.connect_timeout} s: "
-                                   f"{' '.join(str(err).split())[:300]}") from err
+        join(args)
     config.check_devices(jax.device_count())
 
     from train.loop import Trainer

@@ -63,3 +63,38 @@ def test_a_partial_multi_process_command_is_refused(tmp_path, capsys):
         main(["--config", run_file(tmp_path), "--num-processes", "2"])
     assert stop.value.code == 2
     assert "needs all of --coordinator, --num-processes and --process-id" in capsys.readouterr().err
+
+
+def test_data_under_a_folder_named_test_is_read(tmp_path):
+    from jtopoep.config import DataConfig
+    from train.data import ByteDataset, DataError
+
+    root = tmp_path / "test" / "corpus"
+    root.mkdir(parents=True)
+    (root / "a.txt").write_text("some text to learn from " * 40)
+    (root / "b.txt").write_text("and a held out file " * 40)
+    data = ByteDataset(DataConfig(source="path", path=str(root), eval_fraction=0.5), 16, 256)
+    assert len(data.train) + len(data.eval) > 1000
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="holds no files"):
+        ByteDataset(DataConfig(source="path", path=str(tmp_path / "empty")), 16, 256)
+    with pytest.raises(DataError, match="is a file"):
+        ByteDataset(DataConfig(source="path", path=str(root / "a.txt")), 16, 256)
+
+
+def test_a_lone_process_of_a_two_process_run_stops_in_bounded_time(tmp_path):
+    """Its peer never comes: it gives up after --connect-timeout with one line, not a silent hang."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "XLA_FLAGS": " ".join(f for f in os.environ["XLA_FLAGS"].split() if "device_count" not in f)}
+    out = subprocess.run([sys.executable, "-m", "train", "--config", run_file(tmp_path), "--coordinator",
+                          f"localhost:{port}", "--num-processes", "2", "--process-id", "0", "--connect-timeout", "3"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "could not join the 2-process run" in out.stderr and "Traceback" not in out.stderr

@@ -32,7 +32,7 @@ def routing(case: str, rng) -> np.ndarray:
 
 CASES = ("one expert in every token", "the same k experts for every token", "every hot expert on one rank",
          "more hot experts than guest slots")
-PLANNERS = [("none", 0), ("eplb", 2), ("topoep", 2), ("taot", 2), ("topoep", 1), ("taot", 0)]
+PLANNERS = [("none", 0), ("eplb", 2), ("topoep", 2), ("taot", 1), ("topoep", 0)]
 
 
 def pair_counts(ids):

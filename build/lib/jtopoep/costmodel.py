@@ -1,0 +1,224 @@
+"""Analytic forward+backward time of one MoE layer under a plan on a topology.
+
+  time = GEMM (slowest rank) + token exchange (4 exchanges: dispatch and combine, forward and backward)
+       + guest-weight transfer not hidden behind home-slot GEMMs + planning
+
+Constants and their sources:
+- SwiGLU expert: 3 matrices of D x F; 2 FLOPs per multiply-add, so 6 D F FLOPs per (token, expert)
+  pair forward; backward computes input and weight gradients, twice the forward: 18 D F in all.
+- A pair moves D elements four times per layer: dispatch and combine forward, and their transposes
+  in the backward pass.
+- A guest copy receives 3 D F weight elements before its forward GEMM and sends as many gradient
+  elements home after its backward GEMM (gradients kept in the weight dtype, as Megatron-Core does
+  for bf16 expert-parallel gradient reduction). A copy kept from the step's previous micro-batch
+  (`held`) receives nothing; its gradients still go home.
+- Guest weights travel in dims.weight_chunks slices of the hidden width F, one after another, and
+  each slice's GEMM starts as soon as it has landed (jtopoep.guests); in the backward pass each
+  slice's gradients leave as soon as its backward is done. Transfers hide behind the home-slot GEMMs
+  and behind the guest GEMMs of the slices already there (exposed_weight_seconds).
+- Links: the scale-up and scale-out fabrics are separate hardware and DeepEP drives them concurrently,
+  so a rank's exchange time is the slower of its NVLink and RDMA transfers, sending and receiving in
+  full duplex; each exchange pays the latency of the slowest link class it uses.
+- Compute runs at topology.flops x topology.mfu.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jtopoep.plan import Plan, home_rank_of_experts
+from jtopoep.topology import Topology
+
+EXCHANGES_PER_LAYER = 4  # dispatch + combine, forward + backward
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertDims:
+    d_model: int  # D
+    expert_hidden: int  # F
+    bytes_per_element: int = 2  # bf16
+    # Guest weights move in this many slices of F, each computed as it lands (MoEConfig.guest_weight_chunks).
+    weight_chunks: int = 1
+
+    def __post_init__(self):
+        if self.weight_chunks < 1 or self.expert_hidden % self.weight_chunks:
+            raise ValueError(f"weight_chunks = {self.weight_chunks} must be a positive divisor of expert_hidden = "
+                             f"{self.expert_hidden}")
+
+    @classmethod
+    def from_model(cls, model) -> "ExpertDims":
+        return cls(model.d_model, model.expert_hidden, model.element_bytes)
+
+    @property
+    def pair_flops(self) -> float:
+        """Forward + backward FLOPs of one (token, expert) pair through a SwiGLU expert."""
+        return 18.0 * self.d_model * self.expert_hidden
+
+    @property
+    def pair_bytes(self) -> float:
+        """Bytes of one pair's activation in one exchange."""
+        return float(self.d_model * self.bytes_per_element)
+
+    @property
+    def expert_bytes(self) -> float:
+        """Bytes of one expert's weights (gate, up, down)."""
+        return 3.0 * self.d_model * self.expert_hidden * self.bytes_per_element
+
+
+def copy_break_even_pairs(topology: Topology, dims: ExpertDims) -> tuple[float, float]:
+    """Pairs a guest copy must take off its home rank for the GEMM time saved to equal the time of
+    shipping its weights out and its gradients back, on an (intra-node, inter-node) link."""
+    per_pair = dims.pair_flops / (topology.flops * topology.mfu)
+    moved = 2.0 * dims.expert_bytes
+    return moved / topology.intra_bw / per_pair, moved / topology.inter_bw / per_pair
+
+
+def link_class(topology: Topology) -> np.ndarray:
+    """0 same rank, 1 same node, 2 across nodes, as an [R, R] array."""
+    node = np.arange(topology.num_ranks) // topology.gpus_per_node
+    same_node = node[:, None] == node[None, :]
+    cls = np.where(same_node, 1, 2)
+    np.fill_diagonal(cls, 0)
+    return cls
+
+
+def home_rank_of_slots(plan: Plan, placement: np.ndarray) -> np.ndarray:
+    """[R, S] home rank of the expert in each slot (-1 for empty slots)."""
+    home_of_expert = home_rank_of_experts(np.asarray(placement), np)
+    slot_expert = np.asarray(plan.slot_expert)
+    return np.where(slot_expert >= 0, home_of_expert[np.maximum(slot_expert, 0)], -1)
+
+
+def shipped_guest_slots(plan: Plan, placement, held=None) -> tuple[np.ndarray, np.ndarray]:
+    """([R, K] home rank of each guest slot's expert, -1 empty; [R, K] whether its weights are
+    shipped). held: [R, K'] guest experts each rank already holds (the previous micro-batch's guest
+    columns of the same step, -1 empty); copies of those are kept, not shipped (jtopoep.guests)."""
+    home = np.asarray(placement).shape[1]
+    guests = np.asarray(plan.slot_expert)[:, home:]
+    home_rank = home_rank_of_slots(plan, np.asarray(placement))[:, home:]
+    shipped = home_rank >= 0
+    if held is not None:
+        held = np.asarray(held)
+        shipped &= ~(guests[:, :, None] == held[:, None, :]).any(2)
+    return home_rank, shipped
+
+
+def guest_transfers(plan: Plan, placement: np.ndarray, held=None) -> np.ndarray:
+    """[R(home), R(guest host)] number of guest copies shipped from each home rank to each rank
+    (held: as shipped_guest_slots)."""
+    home_rank, shipped = shipped_guest_slots(plan, placement, held)
+    num_ranks = home_rank.shape[0]
+    moves = np.zeros((num_ranks, num_ranks), np.int64)
+    for d, h in zip(*np.nonzero(shipped)):
+        moves[home_rank[d, h], d] += 1
+    return moves
+
+
+def exchange_seconds_per_rank(plan: Plan, topology: Topology, dims: ExpertDims) -> np.ndarray:
+    """[R] seconds of one token exchange at each rank: the slower of its NVLink and RDMA transfers,
+    each the larger of what it sends and receives (full duplex), without latency."""
+    pairs = np.asarray(plan.route).astype(np.float64).sum(axis=2)  # [s, d]
+    cls = link_class(topology)
+    bw = {1: topology.intra_bw, 2: topology.inter_bw}
+    per_rank = np.zeros(pairs.shape[0])
+    for c in (1, 2):
+        sent = np.where(cls == c, pairs, 0.0)
+        per_rank = np.maximum(per_rank, np.maximum(sent.sum(1), sent.sum(0)) * dims.pair_bytes / bw[c])
+    return per_rank
+
+
+def copy_seconds_per_rank(moves: np.ndarray, topology: Topology, dims: ExpertDims) -> np.ndarray:
+    """[R] seconds of copy transfers at each rank, moves [R(home), R(guest host)] copies: home ranks
+    send (rows), guest hosts receive (columns); per link class, full duplex: the slower side."""
+    cls = link_class(topology)
+    out = np.zeros(moves.shape[0])
+    for c, bw in ((1, topology.intra_bw), (2, topology.inter_bw)):
+        m = np.where(cls == c, moves.astype(np.float64), 0.0) * dims.expert_bytes / bw
+        out = np.maximum(out, np.maximum(m.sum(0), m.sum(1)))
+    return out
+
+
+def guest_copy_seconds(plan: Plan, topology: Topology, dims: ExpertDims, placement,
+                       held=None) -> tuple[np.ndarray, np.ndarray]:
+    """([R] seconds of guest weights going out, [R] seconds of guest gradients coming back) at each
+    rank: copies held already ship no weights, but every copy's gradients go home."""
+    placement = np.asarray(placement)
+    every_copy = copy_seconds_per_rank(guest_transfers(plan, placement), topology, dims)
+    if held is None:
+        return every_copy, every_copy
+    return copy_seconds_per_rank(guest_transfers(plan, placement, held), topology, dims), every_copy
+
+
+def slot_forward_seconds(plan: Plan, topology: Topology, dims: ExpertDims, placement) -> tuple[np.ndarray, np.ndarray]:
+    """([R] seconds of each rank's home-slot forward GEMMs, [R] of its guest-slot forward GEMMs)."""
+    home = np.asarray(placement).shape[1]
+    per_rank_slot = np.asarray(plan.route).astype(np.float64).sum(axis=0)  # [d, S]
+    per_pair = dims.pair_flops / 3.0 / (topology.flops * topology.mfu)
+    return per_rank_slot[:, :home].sum(1) * per_pair, per_rank_slot[:, home:].sum(1) * per_pair
+
+
+def exposed_weight_seconds(weights_out: np.ndarray, grads_back: np.ndarray, home_fwd: np.ndarray,
+                           guest_fwd: np.ndarray, chunks: int = 1) -> float:
+    """The guest-weight term from per-rank seconds: weight transfers out, gradient transfers back,
+    home-slot and guest-slot forward GEMMs; the most exposed rank of each direction counts.
+
+    Forward: the home GEMMs run first; the weights land in n = `chunks` equal slices one after
+    another, and the guest GEMM of slice j starts once it has landed and slice j - 1's is done. The
+    last one ends late by the most any slice's arrival is late for it: max over j of
+    ((j + 1) out - j g) / n - home, g the guest GEMMs. Backward: the guest slices' backward runs first
+    (twice the forward), and a slice's gradients leave when it is done, after the slices before it on
+    the link; the last arrives late by max over j of ((n - j) back - (n - 1 - j) 2 g) / n - 2 home.
+    With one chunk these are the whole copy behind the home GEMMs, out - home, and the gradients
+    behind the home backward, back - 2 home."""
+    j = np.arange(chunks, dtype=np.float64)[:, None]
+    forward = (((j + 1) * weights_out - j * guest_fwd) / chunks).max(0) - home_fwd
+    backward = (((chunks - j) * grads_back - (chunks - 1 - j) * 2.0 * guest_fwd) / chunks).max(0) - 2.0 * home_fwd
+    return float(np.maximum(forward, 0.0).max() + np.maximum(backward, 0.0).max())
+
+
+def layer_time(plan: Plan, topology: Topology, dims: ExpertDims, placement,
+               planning_s: float = 0.0, held=None) -> dict[str, float]:
+    """Seconds of one MoE layer's forward+backward under the plan, by term, and their sum.
+
+    placement: [R, H] home expert of each home slot (the plan's first H slot columns).
+    held: [R, K'] guest experts each rank kept from the step's previous micro-batch (-1 empty): their
+    copies' weights are not shipped again, but every copy's gradients still go home."""
+    route = np.asarray(plan.route).astype(np.float64)
+    placement = np.asarray(placement)
+    gemm = float(route.sum(axis=(0, 2)).max() * dims.pair_flops / (topology.flops * topology.mfu))
+
+    cls = link_class(topology)
+    pairs = route.sum(axis=2)  # [s, d]
+    uses_inter = bool((np.where(cls == 2, pairs, 0) > 0).any())
+    uses_intra = bool((np.where(cls == 1, pairs, 0) > 0).any())
+    latency = topology.inter_latency if uses_inter else (topology.intra_latency if uses_intra else 0.0)
+    exchange = EXCHANGES_PER_LAYER * (float(exchange_seconds_per_rank(plan, topology, dims).max()) + latency)
+
+    weights_out, grads_back = guest_copy_seconds(plan, topology, dims, placement, held)
+    home_fwd, guest_fwd = slot_forward_seconds(plan, topology, dims, placement)
+    weights = exposed_weight_seconds(weights_out, grads_back, home_fwd, guest_fwd, dims.weight_chunks)
+
+    total = gemm + exchange + weights + planning_s
+    return {"gemm_s": gemm, "exchange_s": exchange, "weights_s": weights, "planning_s": planning_s,
+            "total_s": total}
+
+
+def ideal_layer_time(plan: Plan, topology: Topology, dims: ExpertDims) -> dict[str, float]:
+    """Perfect balance at no cost: the plan's pairs spread evenly over the ranks (ceil(sum / R)
+    each, a bound on the GEMM term no planner can beat without moving home experts) and its token
+    traffic of each link class spread evenly too, with no weight transfer and no planning. Given
+    the home plan, the exchange term is not a bound: copies fed by their own node's pairs take
+    traffic off the scale-out links, and a planner that places them so can beat it."""
+    route = np.asarray(plan.route).astype(np.float64)
+    num_ranks = route.shape[0]
+    rate = topology.flops * topology.mfu
+    gemm = float(np.ceil(route.sum() / num_ranks) * dims.pair_flops / rate)
+    cls = link_class(topology)
+    pairs = route.sum(axis=2)
+    intra = pairs[cls == 1].sum() / num_ranks * dims.pair_bytes / topology.intra_bw
+    inter = pairs[cls == 2].sum() / num_ranks * dims.pair_bytes / topology.inter_bw
+    latency = topology.inter_latency if pairs[cls == 2].any() else (topology.intra_latency if pairs[cls == 1].any() else 0.0)
+    exchange = EXCHANGES_PER_LAYER * (max(intra, inter) + latency)
+    return {"gemm_s": gemm, "exchange_s": exchange, "weights_s": 0.0, "planning_s": 0.0, "total_s": gemm + exchange}

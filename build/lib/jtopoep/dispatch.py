@@ -1,0 +1,223 @@
+"""One MoE layer's expert-parallel data flow, called inside shard_map over ("node", "gpu").
+
+    x f[T, D], expert_ids i[T, k], gates f[T, k]          this rank's tokens and router output
+    counts  = all_gather(bincount(expert_ids))  i[R, E]  identical on every rank
+    plan    = planner(counts, placement, held)            identical on every rank (held: the guest
+              experts kept from the previous micro-batch, or None)
+    assign  : pair p -> (rank d, slot j): on this source the pairs of expert e, in [T, k] order,
+              fill the slots holding e in ascending (d, j) order, plan.route[me, d, j] each
+    permute : pairs sorted by destination slot; send sizes plan.route[me].sum(1)
+    exchange: to the destination ranks (transport.exchange), regrouped there by slot
+    guests  : each guest slot's weights from its expert's home rank (same transport), or kept
+              from the previous micro-batch of the step (jtopoep.guests), in `weight_chunks`
+              slices of the hidden width, each its own transfer
+    experts : SwiGLU over the S = H + K slots with jax.lax.ragged_dot, group sizes plan.route[:, me].sum(0):
+              one grouped GEMM for the home slots and one per slice for the guest slots, so that the
+              home GEMM does not depend on the guest weights and each slice's GEMM only on its own,
+              and XLA may overlap the transfers with them
+    return  : the reverse exchange, unpermute, and the gate-weighted sum over the k choices
+
+Receive buffer: a rank receives at most R*T*k rows (every source sending it every pair), and the
+grouped GEMM runs over the whole buffer: XLA expands `ragged_dot` into a dense dot masked per group
+unless a grouped-GEMM kernel takes it over. `recv_rows` bounds the buffer. A plan that would send a
+rank more is cut to fit, in (source, slot) order, and the pairs that do not fit are not computed:
+`DispatchStats.dropped` counts them (the same on every rank), and the caller must refuse the step
+(the trainer stops with an error naming the layer and the knob). With recv_rows at least the plan's
+largest rank load nothing is cut, and the layer is exact.
+
+Everything is differentiable: the transpose of each exchange is the reverse exchange, so gradients of
+guest-slot weights travel back to the home rank and add into the home expert's gradient.
+Traffic per rank and layer (forward): T*k rows of D sent and received in total, plus 3*D*F weights per
+guest slot received (none for a copy kept from the previous micro-batch); the backward pass moves the
+same again in the opposite direction (every guest slot's gradient, kept copy or not).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jtopoep.guests import ExpertWeights, GuestCopies, fetch_guest_weights, join_hidden
+from jtopoep.plan import Plan, home_plan
+from jtopoep.planners.common import PlannerBase
+from jtopoep.planners.none import NonePlanner
+from jtopoep.ordering import inverse_permutation, stable_order
+from jtopoep.transport import exchange, exclusive_cumsum, regroup
+
+
+class DispatchStats(NamedTuple):
+    counts: Int[Array, "R E"]  # all-gathered routing counts of this layer
+    plan: Plan  # the planner's plan, before any cut to the receive buffer
+    dropped: Int[Array, ""]  # pairs the receive buffers could not take (0: the layer is exact)
+    # This rank's guest copies after the layer, for the next micro-batch of the same optimizer step
+    # (moe_dispatch's `previous`); None when the plan has no guest slots.
+    guests: GuestCopies | None = None
+
+
+def fit_route(route: Int[Array, "R R S"], recv_rows: int) -> Int[Array, "R R S"]:
+    """The route with each destination's rows cut to recv_rows, keeping them in (source, slot) order:
+    the order in which they land in its receive buffer."""
+    num_ranks, _, num_slots = route.shape
+    by_dest = route.transpose(1, 0, 2).reshape(num_ranks, num_ranks * num_slots)
+    kept = jnp.clip(recv_rows - exclusive_cumsum(by_dest, axis=1), 0, by_dest)
+    return kept.reshape(num_ranks, num_ranks, num_slots).transpose(1, 0, 2)
+
+
+def receive_rows(capacity_factor: float, pairs_per_rank: int, num_ranks: int) -> int:
+    """Rows of each rank's receive buffer: capacity_factor x its own pairs (T * k), at most R * T * k,
+    the most any rank can receive; factor 0 is that most (MoEConfig.recv_capacity_factor)."""
+    worst = num_ranks * pairs_per_rank
+    return worst if capacity_factor == 0 else min(worst, math.ceil(capacity_factor * pairs_per_rank))
+
+
+def _my_rank(topology_gpus: int, axes=("node", "gpu")):
+    return jax.lax.axis_index(axes[0]) * topology_gpus + jax.lax.axis_index(axes[1])
+
+
+def assign_slots(expert_ids: Int[Array, " A"], local_counts: Int[Array, " E"], plan: Plan, me,
+                 partial: bool = False) -> Int[Array, " A"]:
+    """Flat destination slot d * S + j of each of this source's pairs, by the plan's rule: the pairs of
+    expert e, in order, fill the slots holding e in ascending (d, j) order.
+
+    partial: the route may send fewer pairs of an expert than this source has (fit_route cut it);
+    those left over, the last of the expert's pairs, get R * S, past every slot."""
+    num_pairs = expert_ids.shape[0]
+    num_experts = local_counts.shape[0]
+    order = stable_order(expert_ids, num_experts)
+    expert_start = exclusive_cumsum(local_counts)
+    rank_in_sorted = jnp.arange(num_pairs, dtype=jnp.int32) - expert_start[expert_ids[order]]
+    # position of each pair on the line of all this source's pairs, laid out expert by expert
+    line_sorted = expert_start[expert_ids[order]] + rank_in_sorted
+    slot_expert = plan.slot_expert.reshape(-1)
+    num_slots = slot_expert.shape[0]
+    sent = jax.lax.dynamic_index_in_dim(plan.route, me, 0, keepdims=False).reshape(-1)  # [R*S]
+    holder = jnp.where(slot_expert >= 0, slot_expert, num_experts)  # expert of each slot, E if empty
+    if partial:
+        # Keys e * (R*S + 1) + slot leave one more entry after each expert's slots: the pairs they do
+        # not take, sent nowhere.
+        stride = num_slots + 1
+        taken = jnp.zeros(num_experts + 1, jnp.int32).at[holder].add(sent)
+        experts = jnp.arange(num_experts, dtype=jnp.int32)
+        key = jnp.concatenate([holder * stride + jnp.arange(num_slots), experts * stride + num_slots])
+        sent = jnp.concatenate([sent, local_counts - taken[:num_experts]])
+    else:
+        stride = num_slots
+        key = holder * stride + jnp.arange(num_slots)
+    slot_order = stable_order(key, (num_experts + 1) * stride)
+    slot_end = jnp.cumsum(sent[slot_order])
+    dest_sorted = jnp.minimum(slot_order[jnp.searchsorted(slot_end, line_sorted, side="right")], num_slots)
+    return jnp.zeros(num_pairs, jnp.int32).at[order].set(dest_sorted.astype(jnp.int32), unique_indices=True)
+
+
+def _swiglu_slots(x, weights: ExpertWeights, group_sizes):
+    gate = jax.lax.ragged_dot(x, weights.gate, group_sizes)
+    up = jax.lax.ragged_dot(x, weights.up, group_sizes)
+    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, weights.down, group_sizes)
+
+
+def expert_ffn(x: Float[Array, "rows D"], home_weights: ExpertWeights,
+               guest_slices: tuple[ExpertWeights, ...] | None, group_sizes: Int[Array, " S"]) -> Float[Array, "rows D"]:
+    """SwiGLU of each row with its slot's expert; rows in slot order, group_sizes[j] rows for slot j
+    (the H home slots, then the K guest slots); rows past the groups come out as zeros.
+    guest_slices: the guest slots' weights as slices of the hidden width (guests.hidden_slice), or
+    None without guest slots.
+
+    Home and guest slots are separate grouped GEMMs, not one over concatenated weights: the home GEMM
+    then does not wait for the guest weights, so XLA can run the guest-weight transfer during it (the
+    overlap the cost model prices), and in the backward pass the guest gradients can leave before the
+    home weight gradients are done. Likewise each guest slice is its own grouped GEMM, and their
+    outputs add up (SwiGLU sums over hidden units): slice c waits only for its own transfer. The guest
+    rows are rotated to the front of the buffer and back (a permutation, so its transpose adds nothing
+    twice)."""
+    rows = x.shape[0]
+    home = home_weights.gate.shape[0]
+    row = jnp.arange(rows)[:, None]
+    home_rows = group_sizes[:home].sum()
+    with jax.named_scope("home_ffn"):
+        out = _swiglu_slots(x, home_weights, group_sizes[:home])
+        out = jnp.where(row < home_rows, out, 0)
+    if guest_slices is None:
+        return out
+    with jax.named_scope("guest_ffn"):
+        rotated = jnp.roll(x, -home_rows, axis=0)
+        guest = None
+        for c, part in enumerate(guest_slices):
+            with jax.named_scope(f"slice{c}"):
+                y = _swiglu_slots(rotated, part, group_sizes[home:])
+            guest = y if guest is None else guest + y
+        guest = jnp.roll(guest, home_rows, axis=0)
+    return jnp.where((row >= home_rows) & (row < group_sizes.sum()), guest, out)
+
+
+def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: Float[Array, "T k"],
+                 weights: ExpertWeights, placement: Int[Array, "R H"], planner: PlannerBase, *,
+                 backend: str = "auto", hierarchical: bool = False, recv_rows: int | None = None,
+                 axes: tuple[str, str] = ("node", "gpu"), previous: GuestCopies | None = None,
+                 weight_chunks: int = 1) -> tuple[Float[Array, "T D"], DispatchStats]:
+    """The layer's expert computation for this rank's T tokens; call inside shard_map over `axes`.
+
+    recv_rows: rows of each rank's receive buffer, which the grouped GEMM runs over; default (and at
+    most) R * T * k, which always suffices. See the module docstring for what a smaller one does.
+    previous: the guest copies this layer held after the previous micro-batch of the same optimizer
+    step (its DispatchStats.guests). The planner is told which experts each rank holds (topoep keeps
+    a copy where that balances as well), and guest slots that hold one again are not fetched
+    (jtopoep.guests). Only valid while the weights are unchanged: start each step without it.
+    weight_chunks: the guest weights travel, and their GEMMs run, in this many slices of the hidden
+    width (jtopoep.guests), a divisor of it; the result is the same SwiGLU, summed by slice."""
+    topology = planner.topology
+    gpus = topology.gpus_per_node
+    num_tokens, top_k = expert_ids.shape
+    num_pairs = num_tokens * top_k
+    num_ranks, num_experts = topology.num_ranks, planner.num_experts
+    me = _my_rank(gpus, axes)
+    move = dict(gpus_per_node=gpus, backend=backend, hierarchical=hierarchical, axes=axes)
+
+    with jax.named_scope("plan"):
+        flat_ids = expert_ids.reshape(-1).astype(jnp.int32)
+        local_counts = jnp.zeros(num_experts, jnp.int32).at[flat_ids].add(1)
+        counts = jax.lax.all_gather(local_counts, axes)  # [R, E]
+        if isinstance(planner, NonePlanner):
+            plan = home_plan(counts, placement, 0)  # fast path: no guest slots at all
+        else:
+            plan = planner(counts, placement, None if previous is None else previous.experts)
+    home = placement.shape[1]
+    num_slots = plan.slot_expert.shape[1]
+    worst = num_ranks * num_pairs  # every source sends all its pairs here
+    recv_rows = worst if recv_rows is None else recv_rows
+    if not 1 <= recv_rows <= worst:
+        raise ValueError(f"recv_rows = {recv_rows} must be in [1, R * T * k = {worst}]")
+    partial = recv_rows < worst
+    route = fit_route(plan.route, recv_rows) if partial else plan.route
+    dropped = plan.route.sum() - route.sum() if partial else jnp.zeros((), plan.route.dtype)
+
+    with jax.named_scope("permute"):
+        dest = assign_slots(flat_ids, local_counts, Plan(plan.slot_expert, route), me, partial)
+        send_order = stable_order(dest, num_ranks * num_slots + int(partial))
+        tokens = x[send_order // top_k]
+        sizes = route.sum(2)  # [s, d]
+
+    with jax.named_scope("dispatch"):
+        received = exchange(tokens, sizes, out_rows=recv_rows, **move)
+        my_route = jax.lax.dynamic_index_in_dim(route, me, 1, keepdims=False)  # [s, S]
+        by_slot = regroup(received, my_route)
+        group_sizes = my_route.sum(0)
+
+    guest, copies = None, None
+    if num_slots > home:
+        with jax.named_scope("guest_weights"):
+            guest = fetch_guest_weights(weights, plan.slot_expert[:, home:], placement, me, previous=previous,
+                                        chunks=weight_chunks,
+                                        **{k: move[k] for k in ("gpus_per_node", "backend", "hierarchical")})
+        copies = GuestCopies(plan.slot_expert[:, home:], join_hidden(guest))
+    out = expert_ffn(by_slot, weights, guest, group_sizes)
+
+    with jax.named_scope("combine"):
+        back = regroup(out, my_route.T)
+        returned = exchange(back, sizes.T, out_rows=num_pairs, capacity=num_pairs, **move)
+        per_pair = returned[inverse_permutation(send_order)].reshape(num_tokens, top_k, -1)
+        y = jnp.einsum("tkd,tk->td", per_pair, gates.astype(per_pair.dtype))
+    return y, DispatchStats(counts, plan, dropped, copies)

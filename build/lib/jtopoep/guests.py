@@ -1,0 +1,161 @@
+"""Guest-slot weights: fetched from each expert's home rank, or kept from the previous micro-batch.
+
+Called inside shard_map over ("node", "gpu"), from jtopoep.dispatch.
+
+    guests  = plan.slot_expert[:, H:]           i[R, K]  every rank's guest experts (-1 empty)
+    fetch   : home rank h sends, for every guest slot (d, i) holding one of its experts, that
+              expert's weights to d, in (d, i) order; d puts each in its slot (transport.exchange)
+    backward: the transpose: each guest slot's weight gradient goes back to its home rank and adds
+              into the home expert's gradient
+
+Keeping copies across micro-batches. With gradient accumulation the weights do not change between
+the micro-batches of one optimizer step, so a copy a rank already holds from the previous micro-batch
+of the same layer is the copy it would fetch, bit for bit. `GuestCopies` carries a layer's copies
+from one micro-batch to the next; a guest slot whose expert the rank still holds takes it locally,
+and its home rank does not send it (with the ragged transport those rows are never on the wire).
+The backward pass is unchanged: every guest slot's gradient goes home in its own micro-batch, as if
+every copy had been fetched (a custom VJP, because autodiff would otherwise stop at the kept copy,
+which is carried state, not a function of the parameters). So keeping copies saves the forward
+weight transfers; for the same plan, losses and gradients are bitwise those of fetching every copy.
+
+Streaming in slices. With chunks = n the weights travel as n slices of the hidden width F (slice c:
+gate and up columns, down rows [c F/n, (c+1) F/n)), each its own exchange, and the caller runs the
+guest GEMM slice by slice (jtopoep.dispatch.expert_ffn sums the slices' outputs, which is the SwiGLU
+exactly: F is a sum over hidden units). Slice c's GEMM depends only on slice c's transfer, so XLA can
+run the next slice's transfer during it; in the backward pass each slice's gradients leave as soon
+as its backward is done (the overlap costmodel.exposed_weight_seconds prices).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jtopoep.ordering import first_argmax, stable_order
+from jtopoep.plan import home_rank_of_experts
+from jtopoep.transport import exchange, exclusive_cumsum
+
+
+class ExpertWeights(NamedTuple):
+    gate: Float[Array, "H D F"]
+    up: Float[Array, "H D F"]
+    down: Float[Array, "H F D"]
+
+
+class GuestCopies(NamedTuple):
+    """A layer's guest copies after one micro-batch, for the next micro-batch of the same step, as
+    one rank sees them inside shard_map (MoELayer carries them per device outside it)."""
+    experts: Int[Array, "R K"]  # every rank's guest-slot experts, -1 empty (the plan's guest columns)
+    weights: ExpertWeights  # this rank's guest-slot weights, zeros in empty slots
+
+
+def kept_slots(guests: Int[Array, "R K"], held: Int[Array, "R K"]) -> jax.Array:
+    """bool [R, K]: guest slot (d, i) holds an expert that rank d already held (`held`), so nothing
+    needs to be sent for it."""
+    return (guests >= 0) & (guests[:, :, None] == held[:, None, :]).any(2)
+
+
+def _fetch(weights: ExpertWeights, guests, placement, me, skip, move) -> ExpertWeights:
+    """[K, ...] weights of this rank's guest slots, sent by the experts' home ranks; slots that are
+    empty or `skip`ped [R, K] get zeros and nothing is sent for them. Linear in `weights`."""
+    gpus_per_node, backend, hierarchical = move
+    num_ranks, home = placement.shape
+    num_guests = guests.shape[1]
+    home_rank = home_rank_of_experts(placement)
+    home_slot = first_argmax(placement[home_rank] == jnp.arange(placement.size)[:, None], axis=1)  # [E]
+    sent = (guests >= 0) & ~skip
+    src = jnp.where(sent, home_rank[jnp.maximum(guests, 0)], -1)  # [R, K] home rank per slot it sends
+    sizes = (src[None, :, :] == jnp.arange(num_ranks)[:, None, None]).sum(2).astype(jnp.int32)  # [h, d]
+    rows = jnp.concatenate([w.reshape(home, -1) for w in weights], axis=1)  # [H, 3*D*F]
+    mine = (src == me).reshape(-1)
+    send_order = stable_order((~mine).astype(jnp.int32), 2)  # my (d, i) slots first, in (d, i) order
+    which = home_slot[jnp.maximum(guests.reshape(-1), 0)][send_order]
+    # A one-hot matmul rather than a gather: its transpose sums guest gradients into the home rows
+    # with a dense dot, not a float scatter-add whose order could vary.
+    pick = (which[:, None] == jnp.arange(home)[None, :]).astype(rows.dtype)
+    send = pick @ rows  # [R*K, 3*D*F]
+    received = exchange(send, sizes, out_rows=num_guests, gpus_per_node=gpus_per_node, backend=backend,
+                        hierarchical=hierarchical, capacity=num_guests)
+    my_src = jax.lax.dynamic_index_in_dim(src, me, 0, keepdims=False)  # [K]
+    earlier_same = (my_src[None, :] == my_src[:, None]) & (jnp.arange(num_guests)[None, :] < jnp.arange(num_guests)[:, None])
+    offset = exclusive_cumsum(jax.lax.dynamic_index_in_dim(sizes, me, 1, keepdims=False))  # per source
+    position = offset[jnp.maximum(my_src, 0)] + earlier_same.sum(1)
+    got = jnp.where((my_src >= 0)[:, None], received[jnp.clip(position, 0, num_guests - 1)], 0)
+    parts, start = [], 0
+    for w in weights:
+        size = w[0].size
+        parts.append(got[:, start:start + size].reshape((num_guests,) + w.shape[1:]))
+        start += size
+    return ExpertWeights(*parts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fetch_keeping(move, weights, held_weights, guests, held, placement, me):
+    return _fetch_keeping_fwd(move, weights, held_weights, guests, held, placement, me)[0]
+
+
+def _fetch_keeping_fwd(move, weights, held_weights, guests, held, placement, me):
+    kept = kept_slots(guests, held)
+    fetched = _fetch(weights, guests, placement, me, kept, move)
+    my_guests = jax.lax.dynamic_index_in_dim(guests, me, 0, keepdims=False)  # [K]
+    my_held = jax.lax.dynamic_index_in_dim(held, me, 0, keepdims=False)
+    my_kept = jax.lax.dynamic_index_in_dim(kept, me, 0, keepdims=False)
+    where = first_argmax(my_guests[:, None] == my_held[None, :], axis=1)  # slot of the kept copy
+    out = ExpertWeights(*(jnp.where(my_kept.reshape((-1,) + (1,) * (f.ndim - 1)), h[where], f)
+                          for f, h in zip(fetched, held_weights)))
+    # The weights are a residual only for their type (shape, dtype, and the mesh axes they vary
+    # over), which the transpose needs; they are live anyway, so keeping them costs no memory.
+    return out, (weights, guests, placement, me)
+
+
+def _fetch_keeping_bwd(move, residuals, cotangent):
+    weights, guests, placement, me = residuals
+    # The gradient of a full fetch: every guest slot's gradient goes home, kept or not.
+    (grads,) = jax.linear_transpose(lambda w: _fetch(w, guests, placement, me, guests < 0, move), weights)(cotangent)
+    return grads, None, None, None, None, None
+
+
+_fetch_keeping.defvjp(_fetch_keeping_fwd, _fetch_keeping_bwd)
+
+
+def hidden_slice(weights: ExpertWeights, chunk: int, chunks: int) -> ExpertWeights:
+    """Slice `chunk` of `chunks` of the hidden width F: gate and up columns, down rows."""
+    width = weights.gate.shape[-1] // chunks
+    cut = slice(chunk * width, (chunk + 1) * width)
+    return ExpertWeights(weights.gate[..., cut], weights.up[..., cut], weights.down[..., cut, :])
+
+
+def join_hidden(slices) -> ExpertWeights:
+    """The weights whose hidden_slice(., c, len(slices)) is slices[c]."""
+    return ExpertWeights(jnp.concatenate([s.gate for s in slices], axis=-1),
+                         jnp.concatenate([s.up for s in slices], axis=-1),
+                         jnp.concatenate([s.down for s in slices], axis=-2))
+
+
+def fetch_guest_weights(weights: ExpertWeights, guests: Int[Array, "R K"], placement: Int[Array, "R H"], me, *,
+                        gpus_per_node: int, backend: str, hierarchical: bool,
+                        previous: GuestCopies | None = None, chunks: int = 1) -> tuple[ExpertWeights, ...]:
+    """This rank's guest-slot weights, [K, ...] each, as `chunks` slices of the hidden width
+    (hidden_slice), each fetched by its own exchange (`guests`: every rank's guest experts, -1
+    empty; empty slots get zeros). previous: the copies this layer held after the previous
+    micro-batch of the same optimizer step; slots that hold one of them again take it without a
+    transfer. Its weights must be the copies of the current `weights` (the caller empties it at each
+    step)."""
+    hidden = weights.gate.shape[-1]
+    if chunks < 1 or hidden % chunks:
+        raise ValueError(f"chunks = {chunks} must be a positive divisor of the expert hidden width {hidden}")
+    move = (gpus_per_node, backend, hierarchical)
+    out = []
+    for c in range(chunks):
+        with jax.named_scope(f"slice{c}"):
+            part = hidden_slice(weights, c, chunks)
+            if previous is None:
+                out.append(_fetch(part, guests, placement, me, guests < 0, move))
+            else:
+                out.append(_fetch_keeping(move, part, hidden_slice(previous.weights, c, chunks), guests,
+                                          previous.experts, placement, me))
+    return tuple(out)

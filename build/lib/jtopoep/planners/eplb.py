@@ -1,0 +1,83 @@
+"""Topology-oblivious baseline in the spirit of DeepSeek's EPLB, re-planned every micro-batch.
+
+Replicas are handed out one at a time to the expert with the largest load per copy, each onto the
+least-loaded rank (loads estimated from an even split) with a free guest slot that does not hold the
+expert yet. Each expert's pairs are split evenly over its copies, and sources feed copies in (d, j)
+order without regard to locality.
+
+`EplbPlanner` runs on the device inside jit; `eplb_host` is the same algorithm in NumPy, to measure
+what planning on the CPU costs (device-to-host copy, solve, host-to-device copy). Both are written
+once against an array namespace and agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jtopoep.ordering import first_argmax, first_argmin
+from jtopoep.plan import Plan, home_rank_of_experts
+from jtopoep.planners.common import PlannerBase, carry_like, even_quotas, holds_home
+from jtopoep.planners.loops import repeat
+from jtopoep.planners.routing import plan_from_quotas
+
+
+def eplb_slots(counts, placement, guest_slots: int, min_pairs: float, xp):
+    """Slots [R, S] and even-split quotas [R, S] of the EPLB policy, written once for numpy and
+    jax.numpy (xp) so the host and device planners agree bit for bit. A replica is only made while
+    each copy would still get at least one pair and at least min_pairs."""
+    num_ranks, home = placement.shape
+    num_experts = counts.shape[1]
+    loads = counts.sum(0).astype(xp.int32)
+    guests = xp.full((num_ranks, guest_slots), -1, xp.int32)
+    state = (guests, xp.ones(num_experts, xp.int32), xp.zeros(num_ranks, xp.int32),
+             holds_home(home_rank_of_experts(placement, xp), num_ranks, xp))
+    slot_ids = xp.arange(guest_slots, dtype=xp.int32)
+    rank_ids = xp.arange(num_ranks, dtype=xp.int32)
+
+    def step(_, state):
+        guests, copies, used, holds = state
+        free = (used < guest_slots)[:, None] & ~holds  # [R, E]: rank could take a copy of e
+        per_copy = loads.astype(xp.float32) / copies.astype(xp.float32)
+        next_share = loads.astype(xp.float32) / (copies + 1).astype(xp.float32)
+        wanted = free.any(0) & (next_share >= xp.float32(min_pairs)) & (loads > copies)
+        e = first_argmax(xp.where(wanted, per_copy, xp.float32(-1)), xp=xp)
+        slots = xp.concatenate([placement, guests], axis=1)
+        share = loads // copies
+        estimate = xp.where(slots >= 0, share[xp.maximum(slots, 0)], 0).sum(1)
+        limit = xp.iinfo(xp.int32).max
+        d = first_argmin(xp.where(free[:, e], estimate, limit), xp=xp)
+        ok = wanted[e] & free[d, e]
+        put = ok & (rank_ids[:, None] == d) & (slot_ids[None, :] == used[d])
+        guests = xp.where(put, e, guests)
+        copies = copies + (ok & (xp.arange(num_experts) == e)).astype(xp.int32)
+        used = used + (ok & (rank_ids == d)).astype(xp.int32)
+        holds = holds | (ok & (rank_ids[:, None] == d) & (xp.arange(num_experts)[None] == e))
+        return guests, copies, used, holds
+
+    state = carry_like(state, counts)
+    state = repeat(step, num_ranks * guest_slots, state, xp)
+    slot_expert = xp.concatenate([placement, state[0]], axis=1).astype(xp.int32)
+    return slot_expert, even_quotas(slot_expert, loads, xp)
+
+
+@dataclasses.dataclass(frozen=True)
+class EplbPlanner(PlannerBase):
+    def _plan(self, counts, placement, held) -> Plan:
+        del held  # copies are placed without regard to what ranks hold already
+        slot_expert, quota = eplb_slots(counts, placement, self.guest_slots, self.gain_thresholds()[0], jnp)
+        return plan_from_quotas(counts, slot_expert, quota, self.topology.gpus_per_node, False, jnp)
+
+
+def eplb_host(planner: EplbPlanner, counts, placement=None) -> Plan:
+    """The eplb planner in NumPy on the host: copies counts off the device, plans, copies the plan back."""
+    counts = np.asarray(jax.device_get(counts)).astype(np.int32)
+    if placement is None:
+        placement = np.arange(planner.num_experts, dtype=np.int32).reshape(planner.num_ranks, -1)
+    placement = np.asarray(jax.device_get(placement)).astype(np.int32)
+    slot_expert, quota = eplb_slots(counts, placement, planner.guest_slots, planner.gain_thresholds()[0], np)
+    plan = plan_from_quotas(counts, slot_expert, quota, planner.topology.gpus_per_node, False, np)
+    return jax.device_put(plan)

@@ -1,0 +1,152 @@
+"""Token and weight exchange between expert-parallel ranks: ragged all-to-all and its exact emulation.
+
+Back ends (one signature):
+- "ragged": `jax.lax.ragged_all_to_all`, exact sizes, no padding (GPU and TPU; XLA:CPU cannot run it).
+- "dense": an exact emulation on any backend: each rank pads what it sends to every peer to a fixed
+  `capacity` rows, swaps the blocks with `jax.lax.all_to_all`, and scatters the received rows to the
+  offsets the senders named. With capacity >= the largest send, nothing is ever dropped; it costs
+  peers x capacity rows of send and receive buffer per rank (for token dispatch with capacity = T*k:
+  R x T*k x D elements, R times the ragged buffers).
+- "auto": "ragged" on GPU/TPU, "dense" elsewhere.
+
+`exchange` moves rows between the ranks of the ("node", "gpu") mesh given the global matrix
+sizes[s, d] (rows from source rank s to destination rank d), which every rank knows because it is
+derived from the all-gathered plan. With hierarchical=True rows travel in two stages: first across
+nodes to the GPU with the destination's local index, then within the destination node, so each row
+crosses the scale-out link at most once and every inter-node message is aggregated per node pair.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int, Shaped
+
+BACKENDS = ("auto", "ragged", "dense")
+
+
+def resolve_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown transport {backend!r}; known transports: {list(BACKENDS)}")
+    if backend == "auto":
+        return "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "dense"
+    return backend
+
+
+def exclusive_cumsum(x, axis=-1):
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def ragged_all_to_all_dense(operand: Shaped[Array, "rows *feat"], output: Shaped[Array, "out *feat"],
+                            input_offsets: Int[Array, " P"], send_sizes: Int[Array, " P"],
+                            output_offsets: Int[Array, " P"], recv_sizes: Int[Array, " P"], *,
+                            axis_name, capacity: int) -> Shaped[Array, "out *feat"]:
+    """Exact emulation of `jax.lax.ragged_all_to_all` with a padded `all_to_all`.
+
+    Same arguments and result as the collective: this rank sends
+    operand[input_offsets[p] : input_offsets[p] + send_sizes[p]] to peer p, where it lands at
+    output[output_offsets[p] : ...] of p's output; from peer p this rank receives recv_sizes[p] rows.
+    Rows of `output` that nothing is written to keep their values.
+
+    Two peers, capacity 3, feature width 1:
+        rank 0: operand [a b c], input_offsets [0 1], send_sizes [1 2], output_offsets [0 0]
+        rank 1: operand [d e f], input_offsets [0 2], send_sizes [2 1], output_offsets [1 1]
+        padded blocks  rank 0: [[a . .], [b c .]]   rank 1: [[d e .], [f . .]]
+        after all_to_all  rank 0: [[a . .], [d e .]]   rank 1: [[b c .], [f . .]]
+        rank 0 output [a d e], rank 1 output [b c f]
+    """
+    peers = send_sizes.shape[0]
+    rows = jnp.arange(capacity, dtype=jnp.int32)
+    take = input_offsets[:, None] + rows[None, :]  # [P, C]
+    sending = rows[None, :] < send_sizes[:, None]
+    blocks = operand[jnp.clip(take, 0, operand.shape[0] - 1)]
+    blocks = jnp.where(sending.reshape(sending.shape + (1,) * (operand.ndim - 1)), blocks, 0)
+    received = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=False)  # [P, C, ...] by source
+    # Where each source asked its rows to land in this rank's output.
+    landing = jax.lax.all_to_all(output_offsets.reshape(peers, 1), axis_name, 0, 0, tiled=False)[:, 0]
+    position = landing[:, None] + rows[None, :]
+    # Padding rows go past the end, where the scatter drops them, each to its own index: a row lands
+    # at most once, so the scatter's indices are unique and its transpose is a plain gather (which
+    # jax.linear_transpose needs, jtopoep.guests). Senders' rows land below (P + 1) * C.
+    past_end = max(output.shape[0], (peers + 1) * capacity) + jnp.arange(peers * capacity).reshape(peers, capacity)
+    position = jnp.where(rows[None, :] < recv_sizes[:, None], position, past_end)
+    return output.at[position.reshape(-1)].set(received.reshape((-1,) + operand.shape[1:]), mode="drop",
+                                               unique_indices=True)
+
+
+def _all_to_all(backend: str, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                axis_name, capacity):
+    if backend == "ragged":
+        return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                                         recv_sizes, axis_name=axis_name)
+    return ragged_all_to_all_dense(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                   axis_name=axis_name, capacity=capacity)
+
+
+def _stage(x, sizes: Int[Array, "P P"], me, axis_name, out_rows: int, backend: str, capacity: int):
+    """One ragged exchange among the P peers of `axis_name` (me: this rank's index among them).
+
+    x holds the rows for peer p contiguously, in peer order; the result holds the rows from each peer
+    in peer order, then zeros."""
+    send = sizes[me]
+    recv = sizes[:, me]
+    output_offsets = exclusive_cumsum(sizes, axis=0)[me]  # where my rows land on each receiver
+    output = jnp.zeros((out_rows,) + x.shape[1:], x.dtype)
+    return _all_to_all(backend, x, output, exclusive_cumsum(send), send, output_offsets, recv, axis_name,
+                       capacity)
+
+
+def regroup(x: Shaped[Array, "rows *feat"], sizes: Int[Array, "P Q"]) -> Shaped[Array, "rows *feat"]:
+    """Reorder segments laid out in (p, q) order, segment (p, q) holding sizes[p, q] rows, into (q, p)
+    order. Rows past the segments come out as zeros. A gather: its transpose is the inverse regroup."""
+    num_rows = x.shape[0]
+    in_start = exclusive_cumsum(sizes.reshape(-1)).reshape(sizes.shape)  # [P, Q]
+    out_sizes = sizes.T.reshape(-1)  # segments in (q, p) order
+    out_end = jnp.cumsum(out_sizes)
+    i = jnp.arange(num_rows, dtype=jnp.int32)
+    seg = jnp.minimum(jnp.searchsorted(out_end, i, side="right"), out_sizes.shape[0] - 1)
+    within = i - (out_end[seg] - out_sizes[seg])
+    q, p = seg // sizes.shape[0], seg % sizes.shape[0]
+    source = in_start[p, q] + within
+    valid = i < out_end[-1]
+    gathered = x[jnp.where(valid, source, 0)]
+    return jnp.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), gathered, 0)
+
+
+def exchange(x: Shaped[Array, "rows *feat"], sizes: Int[Array, "R R"], *, out_rows: int,
+             gpus_per_node: int, backend: str = "auto", hierarchical: bool = False,
+             capacity: int | None = None, axes: tuple[str, str] = ("node", "gpu")) -> Shaped[Array, "out *feat"]:
+    """Send rows between the R = N * G ranks of the (node, gpu) mesh; call inside shard_map.
+
+    x: this rank's rows, those for destination d contiguous and in d order (sizes[me, d] of them).
+    sizes: [R, R] rows from each source to each destination, identical on every rank.
+    Returns [out_rows, ...]: the rows from each source s, in s order (sizes[s, me] each), then zeros.
+    capacity: the most rows one source sends one destination (the dense back end pads to it);
+    default x.shape[0], which never drops a row.
+
+    Rank 0 of two, sizes [[1, 2], [3, 1]]: it keeps x[0], sends x[1:3] to rank 1, receives 3 rows
+    from rank 1 and returns [x[0], r1_0, r1_1, r1_2, 0 ...].
+    """
+    backend = resolve_backend(backend)
+    node_axis, gpu_axis = axes
+    num_ranks = sizes.shape[0]
+    num_nodes = num_ranks // gpus_per_node
+    capacity = x.shape[0] if capacity is None else capacity
+    node = jax.lax.axis_index(node_axis)
+    gpu = jax.lax.axis_index(gpu_axis)
+    me = node * gpus_per_node + gpu
+    if not hierarchical or num_nodes == 1 or gpus_per_node == 1:
+        return _stage(x, sizes, me, axes, out_rows, backend, capacity)
+    grid = sizes.reshape(num_nodes, gpus_per_node, num_nodes, gpus_per_node)  # [n', g0, n, g]
+    # Stage 1, across nodes: my rows for node n go to (n, my gpu), still ordered by destination gpu.
+    across = grid[:, gpu]  # [n', n, g]: rows from (n', gpu) to (n, g)
+    mid_rows = num_nodes * x.shape[0]
+    # `capacity` bounds rows per (source, destination) pair; a stage-1 message carries a whole node's.
+    mid = _stage(x, across.sum(2), node, node_axis, mid_rows, backend, min(x.shape[0], capacity * gpus_per_node))
+    # On (node, gpu) they arrive as [n'][g]; regroup to [g][n'] to hand each local gpu its rows.
+    mid = regroup(mid, across[:, node, :])
+    # Stage 2, within the node: rows from (n', g0) to (node, g), sent by (node, g0).
+    within = grid[:, :, node, :]  # [n', g0, g]
+    out = _stage(mid, within.sum(0), gpu, gpu_axis, out_rows, backend, min(mid_rows, capacity * num_nodes))
+    # They arrive as [g0][n']; the flat exchange returns them in source order s = n' * G + g0.
+    return regroup(out, within[:, :, gpu].T)
