@@ -33,6 +33,8 @@ def parse_args(argv):
     parser.add_argument("--process-id", type=int, help="multi-process: this process's id, from 0")
     parser.add_argument("--connect-timeout", type=int, default=120, metavar="SECONDS",
                         help="multi-process: give up when not every process has joined after this long")
+    parser.add_argument("--peer-timeout", type=int, default=300, metavar="SECONDS",
+                        help="multi-process: stop when no step has finished for this long (a peer died)")
     args = parser.parse_args(argv)
     multi = (args.coordinator, args.num_processes, args.process_id)
     if any(v is not None for v in multi) and not all(v is not None for v in multi):
@@ -60,8 +62,10 @@ def join(args) -> None:
     watchdog.daemon = True
     watchdog.start()
     try:
+        # XLA's own deadlines abort the process; the watchdogs here end it first, with one line.
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                                   initialization_timeout=args.connect_timeout + 60)
+                                   initialization_timeout=args.connect_timeout + 60,
+                                   heartbeat_timeout_seconds=args.peer_timeout + 60)
     except Exception as err:
         raise DistributedError(f"{message[len('error: '):]} ({' '.join(str(err).split())[:300]})") from err
     finally:
@@ -89,15 +93,55 @@ def train(args) -> int:
 
     from train.loop import Trainer
 
-    last = Trainer(config, fresh=args.fresh).run()
+    last = Trainer(config, fresh=args.fresh, peer_timeout=args.peer_timeout).run()
     if jax.process_index() == 0 and last:
         print(f"done: step {last['step']} loss {last['loss']:.4f} eval {last.get('eval_loss', float('nan')):.4f} "
               f"-> {config.train.run_dir}")
     return 0
 
 
+SUPERVISED = "JTOPOEP_SUPERVISED"
+
+
+def _die_with_parent() -> None:
+    """In the supervised child (Linux): SIGKILL when the supervisor dies, as a killed process would."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+
+
+def supervise(argv: list[str], args) -> int:
+    """Run this command as a child and watch it. A process of a multi-process run whose peer dies
+    can be aborted inside a collective by the transport (Gloo, NCCL) with a message of its own; the
+    supervisor then ends the run with one line that says what happened. Signals reach the child."""
+    import signal
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-m", "train", *argv], env={**os.environ, SUPERVISED: "1"},
+                             preexec_fn=_die_with_parent)
+    forward = lambda signum, frame: child.send_signal(signum)  # noqa: E731
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        status = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if status >= 0:
+        return status
+    name = signal.Signals(-status).name
+    print(f"\nerror: process {args.process_id} of the {args.num_processes}-process run was ended by {name}, most "
+          f"likely in a collective whose peer died or stopped answering; rerun every process to resume from "
+          f"the last checkpoint", file=sys.stderr)
+    return 1
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.num_processes and not os.environ.get(SUPERVISED):
+        return supervise(argv, args)
     warnings.showwarning = _one_line_warnings
     from train.signals import Interrupted
 

@@ -34,6 +34,7 @@ from train.checkpoint import Checkpointer
 from train.data import ByteDataset
 from train.report import write_report
 from train.signals import Interrupted, StopSignals
+from train.watchdog import Watchdog
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -186,8 +187,11 @@ class Hook:
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, fresh: bool = False):
+    def __init__(self, config: RunConfig, fresh: bool = False, peer_timeout: float = 300.0):
+        """peer_timeout: in a multi-process run, seconds without a finished step (after the first,
+        which compiles) before this process stops, taking a peer for dead."""
         self.config = config
+        self.peer_timeout = peer_timeout
         self.run_dir = pathlib.Path(config.train.run_dir)
         # In a multi-host run every process trains, Orbax writes checkpoints from all of them, and
         # process 0 alone writes the run directory's logs, trace and report (a shared file system).
@@ -265,10 +269,14 @@ class Trainer:
         if self.is_main and self.counts:
             records.write_trace(self.run_dir / "counts.npz", self.counts, self.count_steps)
 
+    def _last_good(self) -> str:
+        step = self.checkpointer.latest_step()
+        return "none yet" if step is None else f"step {step}"
+
     def _check(self, summary: dict, step: int) -> None:
         """Refuse a step whose numbers are not finite or whose plans did not fit, before anything of
         it is saved: the last checkpoint stays the last good state."""
-        good = f"last good checkpoint: step {self.checkpointer.latest_step()}"
+        good = f"last good checkpoint: {self._last_good()}"
         output = np.asarray(summary["nonfinite_output"]).any(0)  # per layer, over the micro-batches
         router = np.asarray(summary["nonfinite_router"]).any(0)
         where = ""
@@ -326,11 +334,18 @@ class Trainer:
         start = self._resume()
         bar = tqdm(range(start, t.steps), initial=start, total=t.steps, desc=f"train [{self.config.moe.planner}]",
                    disable=not self.is_main)
-        last = None
+        last, watchdog = None, None
         with StopSignals() as signals:
             for step in bar:
                 last = self._step(step)
                 done = last["step"]
+                if watchdog is None and jax.process_count() > 1:
+                    watchdog = Watchdog(self.peer_timeout, lambda: (
+                        f"no step finished for {self.peer_timeout:.0f} s after step {last['step']}: a process of "
+                        f"this {jax.process_count()}-process run has died or hangs; last good checkpoint: "
+                        f"{self._last_good()}")).start()
+                if watchdog is not None:
+                    watchdog.pet()
                 if self.is_main and (done % t.log_every == 0 or "eval_loss" in last or done == t.steps):
                     records.append_row(self.run_dir / "metrics.jsonl", last)
                 bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}",
@@ -343,6 +358,8 @@ class Trainer:
                 if signals.received is not None:
                     self.checkpointer.close()
                     raise Interrupted(signals.received, done)
+        if watchdog is not None:
+            watchdog.stop()
         self.checkpointer.close()  # the last step always checkpoints and saves the trace
         if self.is_main and (self.run_dir / "metrics.jsonl").exists():
             buffer = io.BytesIO()
