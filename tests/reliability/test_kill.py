@@ -2,10 +2,9 @@
 writes alike: the run, resumed each time, ends with the same losses and bit-identical parameters as
 an uninterrupted one.
 
-Each case starts the trainer five times, so the default run takes one case, chosen by the date
-(a different sample each day); JTOPOEP_FAULT_SEEDS=all, or a list like 0,3, runs others."""
+Each case starts the trainer five times, so a test run takes a sample of the fault-injection cases
+(fault_sample)."""
 
-import datetime
 import os
 import subprocess
 import sys
@@ -15,18 +14,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import yaml
+from fault_sample import skip_unless_sampled
 
 SEEDS = range(4)
 KILLS = 3
-
-
-def sampled() -> set[int]:
-    chosen = os.environ.get("JTOPOEP_FAULT_SEEDS", "")
-    if chosen == "all":
-        return set(SEEDS)
-    if chosen:
-        return {int(s) for s in chosen.split(",")}
-    return {datetime.date.today().toordinal() % len(SEEDS)}
 
 
 def run_file(tmp_path, name):
@@ -72,8 +63,7 @@ def losses(run_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", SEEDS)
 def test_sigkill_at_random_points_resumes_bitwise(devices, tmp_path, seed):
-    if seed not in sampled():
-        pytest.skip(f"seed {seed} is not in this run's sample; JTOPOEP_FAULT_SEEDS=all runs every seed")
+    skip_unless_sampled(f"sigkill-{seed}")
     cache = tmp_path / "cache"
     began = time.monotonic()
     finish(start(run_file(tmp_path, "straight"), cache))

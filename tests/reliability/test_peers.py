@@ -8,10 +8,14 @@ import subprocess
 import sys
 import time
 
+import pytest
 import yaml
+from fault_sample import skip_unless_sampled
 
 
+@pytest.mark.slow
 def test_a_killed_peer_stops_the_other_process_with_one_line(devices, tmp_path):
+    skip_unless_sampled("killed-peer")
     config = {
         "topology": {"preset": "cpu-2x4"},
         "model": {"vocab_size": 64, "seq_len": 12, "d_model": 16, "num_layers": 1, "num_heads": 2,
