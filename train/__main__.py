@@ -115,14 +115,17 @@ def _die_with_parent() -> None:
 def supervise(argv: list[str], args) -> int:
     """Run this command as a child and watch it. A process of a multi-process run whose peer dies
     can be aborted inside a collective by the transport (Gloo, NCCL) with a message of its own; the
-    supervisor then ends the run with one line that says what happened. Signals reach the child."""
+    supervisor then ends the run with one line that says what happened."""
     import signal
     import subprocess
 
     child = subprocess.Popen([sys.executable, "-m", "train", *argv], env={**os.environ, SUPERVISED: "1"},
                              preexec_fn=_die_with_parent)
-    forward = lambda signum, frame: child.send_signal(signum)  # noqa: E731
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    # SIGTERM (a scheduler's, sent to this process) goes on to the child. Ctrl-C reaches the child
+    # from the terminal itself, with the rest of the process group: passed on, it would arrive twice,
+    # and a second one stops the trainer without its checkpoint.
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum)),
+                signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}
     try:
         status = child.wait()
     finally:

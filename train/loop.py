@@ -257,9 +257,9 @@ class Trainer:
                 metrics_path.unlink(missing_ok=True)
                 trace_path.unlink(missing_ok=True)
             return 0
-        if self.is_main:
+        if self.is_main:  # the one process that writes the log and the trace reads them back
             records.keep_rows(metrics_path, step)
-        self.counts, self.count_steps = records.read_trace(trace_path, step)
+            self.counts, self.count_steps = records.read_trace(trace_path, step)
         return step
 
     def _save(self, step: int) -> None:
