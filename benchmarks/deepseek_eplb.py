@@ -51,7 +51,7 @@ def pack(weights: np.ndarray, num_packs: int) -> np.ndarray:
     return pack_of
 
 
-def _slots_of(loads: np.ndarray, replicas: np.ndarray, num_ranks: int) -> np.ndarray:
+def _packed_rank_loads(loads: np.ndarray, replicas: np.ndarray, num_ranks: int) -> np.ndarray:
     """Per-rank load [R] of the replicas packed over num_ranks ranks, each replica taking an equal
     share of its expert's load."""
     expert_of = np.repeat(np.arange(loads.shape[0]), replicas)
@@ -62,7 +62,7 @@ def _slots_of(loads: np.ndarray, replicas: np.ndarray, num_ranks: int) -> np.nda
 
 def global_policy(loads: np.ndarray, num_ranks: int, slots_per_rank: int) -> np.ndarray:
     """float64 [R] rank loads under the global policy with slots_per_rank slots each."""
-    return _slots_of(loads.astype(np.float64), replicate(loads.astype(np.float64), num_ranks * slots_per_rank),
+    return _packed_rank_loads(loads.astype(np.float64), replicate(loads.astype(np.float64), num_ranks * slots_per_rank),
                      num_ranks)
 
 
@@ -80,5 +80,5 @@ def hierarchical_policy(loads: np.ndarray, num_nodes: int, gpus_per_node: int, s
     rank_loads = []
     for node in range(num_nodes):
         mine = loads[node_of_group[group_of] == node]
-        rank_loads.append(_slots_of(mine, replicate(mine, gpus_per_node * slots_per_rank), gpus_per_node))
+        rank_loads.append(_packed_rank_loads(mine, replicate(mine, gpus_per_node * slots_per_rank), gpus_per_node))
     return np.concatenate(rank_loads)

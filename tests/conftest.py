@@ -37,3 +37,20 @@ def devices():
     devs = jax.devices()
     assert len(devs) == 8, f"tests need 8 emulated CPU devices, got {len(devs)}"
     return devs
+
+
+def child_env(**extra) -> dict:
+    """The environment for a trainer started as a child process: this one's, less the emulated
+    device count, so the child emulates its own share of the mesh."""
+    flags = " ".join(f for f in os.environ["XLA_FLAGS"].split() if "device_count" not in f)
+    return {**os.environ, "XLA_FLAGS": flags, **extra}
+
+
+def free_port() -> int:
+    """A localhost port nothing listens on, for a multi-process run's coordinator."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+

@@ -179,22 +179,18 @@ def test_two_processes_train_like_one(devices, tmp_path):
     """A multi-host run: `python -m train` in two processes of four CPU devices each (one node of the
     2 x 4 mesh apiece, collectives over Gloo), against the same run in this one process. Same
     losses, the log and trace written once, by process 0."""
-    import os
-    import socket
     import subprocess
     import sys
 
     import yaml
+    from conftest import child_env, free_port
 
     from jtopoep.config import config_to_dict
 
     config = tiny(tmp_path, "two")
     (tmp_path / "two.yaml").write_text(yaml.safe_dump(config_to_dict(config)))
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    # Each child emulates its own 4 devices: the XLA flags of this process, less its device count.
-    env = {**os.environ, "XLA_FLAGS": " ".join(f for f in os.environ["XLA_FLAGS"].split() if "device_count" not in f)}
+    port = free_port()
+    env = child_env()  # each child emulates its own 4 devices
     children = [subprocess.Popen([sys.executable, "-m", "train", "--config", str(tmp_path / "two.yaml"),
                                   "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id",
                                   str(i)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

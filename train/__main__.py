@@ -11,6 +11,7 @@ import sys
 import threading
 import warnings
 
+
 class DistributedError(RuntimeError):
     """The processes of a multi-process run could not all be reached."""
 

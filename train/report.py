@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import matplotlib
@@ -10,14 +9,12 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-
-def read_metrics(path: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from train.records import read_rows  # noqa: E402
 
 
 def write_report(run_dir: pathlib.Path, planner: str, out=None):
     """Draw the run's metrics into `out` (a path or a binary file; run_dir/report.png by default)."""
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    rows = read_rows(run_dir / "metrics.jsonl")
     train = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))

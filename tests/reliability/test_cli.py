@@ -84,15 +84,12 @@ def test_data_under_a_folder_named_test_is_read(tmp_path):
 
 def test_a_lone_process_of_a_two_process_run_stops_in_bounded_time(tmp_path):
     """Its peer never comes: it gives up after --connect-timeout with one line, not a silent hang."""
-    import os
-    import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": " ".join(f for f in os.environ["XLA_FLAGS"].split() if "device_count" not in f)}
+    from conftest import child_env, free_port
+
+    port, env = free_port(), child_env()
     out = subprocess.run([sys.executable, "-m", "train", "--config", run_file(tmp_path), "--coordinator",
                           f"localhost:{port}", "--num-processes", "2", "--process-id", "0", "--connect-timeout", "3"],
                          env=env, capture_output=True, text=True, timeout=120)

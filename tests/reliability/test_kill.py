@@ -5,7 +5,6 @@ an uninterrupted one.
 Each case starts the trainer five times, so a test run takes a sample of the fault-injection cases
 (fault_sample)."""
 
-import os
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import yaml
+from conftest import child_env
 from fault_sample import skip_unless_sampled
 
 SEEDS = range(4)
@@ -38,9 +38,8 @@ def run_file(tmp_path, name):
 def start(path, cache):
     # The children share a compilation cache, so that only the first compiles; each emulates its
     # own 8 devices.
-    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
-           "XLA_FLAGS": " ".join(f for f in os.environ["XLA_FLAGS"].split() if "device_count" not in f)}
+    env = child_env(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     return subprocess.Popen([sys.executable, "-m", "train", "--config", str(path)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -1,15 +1,14 @@
 """A process of a multi-process run killed mid-run: the other stops within --peer-timeout with one
 line, instead of waiting forever in a collective or being aborted by XLA."""
 
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 import yaml
+from conftest import child_env, free_port
 from fault_sample import skip_unless_sampled
 
 
@@ -26,10 +25,7 @@ def test_a_killed_peer_stops_the_other_process_with_one_line(devices, tmp_path):
         "data": {"source": "synthetic"},
     }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": " ".join(f for f in os.environ["XLA_FLAGS"].split() if "device_count" not in f)}
+    port, env = free_port(), child_env()
     children = [subprocess.Popen([sys.executable, "-m", "train", "--config", str(tmp_path / "run.yaml"),
                                   "--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i),
                                   "--peer-timeout", "8"], env=env, stdout=subprocess.DEVNULL,
