@@ -12,9 +12,8 @@ planning or weight-transfer cost: costmodel.ideal_layer_time).
 Settings: K = 2 guest slots (the headline), K = 1 and 4, half and double the inter-node bandwidth,
 and --keep-microbatches micro-batches as the gradient-accumulation micro-batches of one optimizer
 step, once fetching every copy and once where a rank that holds a guest copy again keeps it from the
-previous micro-batch and ships no weights for it (moe.keep_copies; its gradients still go home),
-and K = 2 with taot's score weighted for time (TIME_TAOT) rather than for weighted communication
-cost, its defaults. The DeepSeek-V2-Lite traces hold 3 micro-batches of 32 ranks, so a fourth
+previous micro-batch and ships no weights for it (moe.keep_copies; its gradients still go home).
+The DeepSeek-V2-Lite traces hold 3 micro-batches of 32 ranks, so a fourth
 repeats the first (never the one before it).
 Guest weights travel in the layer's default slices of the hidden width (moe.guest_weight_chunks),
 priced by costmodel.exposed_weight_seconds.
@@ -42,7 +41,7 @@ from jtopoep.config import CONFIG_DIR, ModelConfig, MoEConfig, section_from_dict
 from jtopoep.costmodel import ExpertDims, ideal_layer_time, layer_time
 from jtopoep.plan import home_plan
 from jtopoep.planners import get_planner
-from jtopoep.planners.common import even_quotas
+from jtopoep.planners.eplb import even_quotas
 from jtopoep.planners.routing import plan_from_quotas
 from jtopoep.planners.eplb import eplb_slots
 from jtopoep.topology import Topology
@@ -52,7 +51,6 @@ MODELS = ("mixtral-8x7b", "deepseek-v2-lite", "qwen1.5-moe", "deepseek-v3")
 PLANNERS = ("none", "eplb", "eplb_host", "topoep", "taot", "ideal")
 TOKENS_PER_GPU = 4096  # one 4096-token sequence per GPU per micro-batch
 # taot's score weights for time rather than weighted communication cost (a sensitivity setting).
-TIME_TAOT = {"locality_weight": 1.0, "weight_cost": 0.0}
 
 
 def load_model(name: str) -> ModelConfig:
@@ -334,11 +332,7 @@ def main(argv=None) -> dict:
                      ("K=2, inter-node bandwidth x0.5", half, 2, False, mats, {}),
                      ("K=2, inter-node bandwidth x2", double, 2, False, mats, {}),
                      (f"K=2, {steps}, every copy fetched", base_topology, 2, False, one_step, {}),
-                     (f"K=2, {steps}, guest copies kept between them", base_topology, 2, True, one_step, {}),
-                     # taot's defaults give the lowest weighted communication cost on the planner
-                     # benchmark; these score weights favour balance and time instead.
-                     (f"K=2, taot with locality_weight {TIME_TAOT['locality_weight']} and weight_cost "
-                      f"{TIME_TAOT['weight_cost']}", base_topology, 2, False, mats, {"taot": TIME_TAOT})]
+                     (f"K=2, {steps}, guest copies kept between them", base_topology, 2, True, one_step, {})]
     results = {"topology": args.topology, "tokens_per_gpu": TOKENS_PER_GPU, "min_gain": args.min_gain,
                "weight_chunks": MoEConfig.guest_weight_chunks,
                "planning_latency_s": latency, "headline": "K=2", "settings": {}}

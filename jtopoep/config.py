@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from jtopoep.planners.taot import TaotPlanner
 from jtopoep.topology import Topology
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -138,17 +139,14 @@ class MoEConfig:
     # benchmark's sweep) turns the test off: transfers mostly hide behind home GEMMs.
     min_gain: float = 0.0
     price_transfers: bool = True  # refuse copies exposing more transfer time than GEMM time they save
-    # ... unless the GEMM time plus this share of the exchange time they save (where the home rank's
-    # scale-out receive binds the exchange) pays for it; 0 counts GEMM time only (PlannerBase).
-    exchange_credit: float = 0.25
     # Receive buffer of each rank, in multiples of its own pairs (T * k); the grouped GEMM runs over
     # all of it. 0: R * T * k, room for every pair of every source, never cut. A step whose plan sends a
     # rank more stops training with an error (jtopoep.dispatch).
     recv_capacity_factor: float = 0.0
     # With train.microbatches > 1: a guest copy a rank already holds from the step's previous
     # micro-batch is kept, not fetched again (the weights have not changed). Saves forward weight
-    # transfers and no maths (jtopoep.guests); topoep prefers a rank that holds the copy where
-    # that balances as well. Costs memory: every MoE layer's K guest copies stay live between
+    # transfers and no maths (jtopoep.guests), and the planners price such a copy's gradients
+    # only. Costs memory: every MoE layer's K guest copies stay live between
     # micro-batches.
     keep_copies: bool = True
     # Guest weights travel in this many slices of the expert hidden width, and the guest GEMM runs
@@ -156,10 +154,8 @@ class MoEConfig:
     # divisor of model.expert_hidden. 2 takes most of what the cost model gives more slices (the
     # cluster projection's guest-weight term); more means narrower GEMMs and more collectives.
     guest_weight_chunks: int = 2
-    sinkhorn_epsilon: float = 1.0  # taot only: entropic regularisation, in link-cost units
-    sinkhorn_iters: int = 10  # taot only: fixed Sinkhorn iteration count
-    taot_locality_weight: float = 2.0  # taot only: score weight of pairs a copy keeps off the slow link
-    taot_weight_cost: float = 0.2  # taot only: score weight of a copy's weight bytes times link cost
+    sinkhorn_epsilon: float = TaotPlanner.epsilon  # taot only: entropic regularisation, in link-cost units
+    sinkhorn_iters: int = TaotPlanner.iterations  # taot only: fixed Sinkhorn iteration count
     score_fn: str = "softmax"  # router scores: softmax or sigmoid
     normalize_topk: bool = True  # renormalise the k selected weights to sum to 1
     aux_loss_coef: float = 0.01  # Switch-style load-balancing loss
@@ -172,7 +168,7 @@ class MoEConfig:
         _choice("moe", self, "transport", TRANSPORTS)
         _choice("moe", self, "score_fn", SCORE_FNS)
         _non_negative("moe", self, "guest_slots", "min_gain", "aux_loss_coef", "z_loss_coef",
-                      "bias_update_rate", "taot_locality_weight", "taot_weight_cost", "exchange_credit")
+                      "bias_update_rate")
         _positive("moe", self, "sinkhorn_epsilon", "sinkhorn_iters", "guest_weight_chunks")
         _require(self.recv_capacity_factor == 0 or self.recv_capacity_factor >= 1, "moe.recv_capacity_factor",
                  self.recv_capacity_factor, "0 (room for every pair) or a value >= 1 (a rank's own pairs)")

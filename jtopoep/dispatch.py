@@ -43,7 +43,7 @@ from jaxtyping import Array, Float, Int
 
 from jtopoep.guests import ExpertWeights, GuestCopies, fetch_guest_weights, join_hidden
 from jtopoep.plan import Plan, home_plan
-from jtopoep.planners.common import PlannerBase
+from jtopoep.planners.base import PlannerBase
 from jtopoep.planners.none import NonePlanner
 from jtopoep.ordering import inverse_permutation, stable_order
 from jtopoep.transport import exchange, exclusive_cumsum, regroup

@@ -39,11 +39,9 @@ class RouterBias(nnx.Variable):
 
 
 def make_planner(moe: MoEConfig, topology: Topology, num_experts: int, dims: ExpertDims):
-    knobs = dict(min_gain=moe.min_gain, dims=dims, price_transfers=moe.price_transfers,
-                 exchange_credit=moe.exchange_credit)
+    knobs = dict(min_gain=moe.min_gain, dims=dims, price_transfers=moe.price_transfers)
     if moe.planner == "taot":
-        knobs.update(epsilon=moe.sinkhorn_epsilon, iterations=moe.sinkhorn_iters,
-                     locality_weight=moe.taot_locality_weight, weight_cost=moe.taot_weight_cost)
+        knobs.update(epsilon=moe.sinkhorn_epsilon, iterations=moe.sinkhorn_iters)
     return get_planner(moe.planner, topology=topology, num_experts=num_experts, guest_slots=moe.planned_guest_slots,
                        **knobs)
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from benchmarks.loads import synthetic_families
 from jtopoep.costmodel import ExpertDims, exchange_seconds_per_rank, link_class
-from jtopoep.planners.common import even_quotas
+from jtopoep.planners.eplb import even_quotas
 from jtopoep.planners.eplb import eplb_slots
 from jtopoep.planners.routing import plan_from_quotas
 from jtopoep.topology import Topology

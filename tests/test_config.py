@@ -45,7 +45,7 @@ def test_presets_and_overrides(tmp_path):
     ("moe.guest_slots=two", r"moe\.guest_slots = 'two' has type str: expected int"),
     ("moe.guest_slots=-1", r"moe\.guest_slots = -1 is not allowed: expected a value >= 0"),
     ("moe.hierarchical=3", r"moe\.hierarchical = 3 has type int: expected bool"),
-    ("moe.exchange_credit=-1.0", r"moe\.exchange_credit = -1\.0 is not allowed: expected a value >= 0"),
+    ("moe.min_gain=-1.0", r"moe\.min_gain = -1\.0 is not allowed: expected a value >= 0"),
     ("moe.guest_weight_chunks=0", r"moe\.guest_weight_chunks = 0 is not allowed: expected a value > 0"),
     ("moe.guest_weight_chunks=5",
      r"moe\.guest_weight_chunks = 5 is not allowed: expected a divisor of model\.expert_hidden = 64"),

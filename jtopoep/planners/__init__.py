@@ -6,7 +6,7 @@ hashable planner object callable as `planner(counts, placement=None) -> Plan`.
 
 from __future__ import annotations
 
-from jtopoep.planners.common import PlannerBase
+from jtopoep.planners.base import PlannerBase
 from jtopoep.planners.eplb import EplbPlanner, eplb_host
 from jtopoep.planners.none import NonePlanner
 from jtopoep.planners.taot import TaotPlanner

@@ -1,6 +1,7 @@
 """Topology-oblivious baseline in the spirit of DeepSeek's EPLB, re-planned every micro-batch.
 
-Replicas are handed out one at a time to the expert with the largest load per copy, each onto the
+The baseline keeps its one-replica-per-step loop (R x K steps): it is the comparison the parallel
+planners are measured against, not a planner to scale. Replicas are handed out one at a time to the expert with the largest load per copy, each onto the
 least-loaded rank (loads estimated from an even split) with a free guest slot that does not hold the
 expert yet. Each expert's pairs are split evenly over its copies, and sources feed copies in (d, j)
 order without regard to locality.
@@ -18,11 +19,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jtopoep.costmodel import copy_break_even_pairs
 from jtopoep.ordering import first_argmax, first_argmin
 from jtopoep.plan import Plan, home_rank_of_experts
-from jtopoep.planners.common import PlannerBase, carry_like, even_quotas, holds_home
-from jtopoep.planners.loops import repeat
+from jtopoep.planners.arrays import carry_like, holds_home, one_hot, prefix_sum
+from jtopoep.planners.base import PlannerBase
 from jtopoep.planners.routing import plan_from_quotas
+
+
+def repeat(body, times: int, carry, xp):
+    """body(i, carry) applied `times` times: a Python loop on NumPy arrays, else a fori_loop."""
+    if xp is np:
+        for i in range(times):
+            carry = body(i, carry)
+        return carry
+    return jax.lax.fori_loop(0, times, body, carry)
+
+
+def even_quotas(slot_expert, loads, xp=jnp):
+    """[R, S] split each expert's load evenly over its copies; the first copies in (d, j) order take
+    one pair more when the load does not divide."""
+    num_ranks, num_slots = slot_expert.shape
+    flat = slot_expert.reshape(-1)
+    hot = one_hot(flat, loads.shape[0], xp)  # [R*S, E]
+    copies = hot.sum(0)  # [E]
+    index_in_expert = ((prefix_sum(hot, 0, xp) - hot) * hot).sum(1)
+    safe = xp.maximum(flat, 0)
+    n = xp.maximum(copies[safe], 1)
+    quota = loads[safe] // n + (index_in_expert < loads[safe] % n).astype(xp.int32)
+    return xp.where(flat >= 0, quota, 0).reshape(num_ranks, num_slots).astype(xp.int32)
 
 
 def eplb_slots(counts, placement, guest_slots: int, min_pairs: float, xp):
@@ -66,9 +91,14 @@ def eplb_slots(counts, placement, guest_slots: int, min_pairs: float, xp):
 
 @dataclasses.dataclass(frozen=True)
 class EplbPlanner(PlannerBase):
+    @property
+    def least_pairs(self) -> float:
+        """Fewest pairs a replica must get: min_gain's share of an NVLink copy's break-even."""
+        return 0.0 if self.min_gain == 0 else self.min_gain * copy_break_even_pairs(self.topology, self.dims)[0]
+
     def _plan(self, counts, placement, held) -> Plan:
         del held  # copies are placed without regard to what ranks hold already
-        slot_expert, quota = eplb_slots(counts, placement, self.guest_slots, self.gain_thresholds()[0], jnp)
+        slot_expert, quota = eplb_slots(counts, placement, self.guest_slots, self.least_pairs, jnp)
         return plan_from_quotas(counts, slot_expert, quota, self.topology.gpus_per_node, False, jnp)
 
 
@@ -78,6 +108,6 @@ def eplb_host(planner: EplbPlanner, counts, placement=None) -> Plan:
     if placement is None:
         placement = np.arange(planner.num_experts, dtype=np.int32).reshape(planner.num_ranks, -1)
     placement = np.asarray(jax.device_get(placement)).astype(np.int32)
-    slot_expert, quota = eplb_slots(counts, placement, planner.guest_slots, planner.gain_thresholds()[0], np)
+    slot_expert, quota = eplb_slots(counts, placement, planner.guest_slots, planner.least_pairs, np)
     plan = plan_from_quotas(counts, slot_expert, quota, planner.topology.gpus_per_node, False, np)
     return jax.device_put(plan)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jtopoep.plan import Plan, home_plan
-from jtopoep.planners.common import PlannerBase
+from jtopoep.planners.base import PlannerBase
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,109 @@
+"""The planner interface: counts [R, E] and a placement in, a Plan out; pure, jittable, deterministic.
+
+A planner is a frozen dataclass, hashable, so it can be a static argument of jit. Its fields are its
+knobs: `jtopoep.config` takes their names, defaults and comments from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jaxtyping import Int
+
+from jtopoep.costmodel import ExpertDims
+from jtopoep.plan import Plan, home_plan
+from jtopoep.planners.problem import CopyProblem, Pricing
+from jtopoep.planners.rounds import Copies
+from jtopoep.planners.routing import plan_from_quotas
+from jtopoep.topology import Topology
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannerBase:
+    """Settings every planner shares. Subclasses implement `_plan(counts, placement, held)`."""
+
+    topology: Topology
+    num_experts: int
+    guest_slots: int
+    # A copy must save at least min_gain x the time of shipping its weights out and its gradients
+    # back (costmodel.copy_break_even_pairs), ignoring any overlap; 0 turns the check off. Needs dims.
+    min_gain: float = 0.0
+    dims: ExpertDims | None = None
+    # Refuse copies that expose more weight-transfer time than the GEMM time they save (the cost
+    # model's rule, problem.paying_pieces). False balances load whatever the transfers cost.
+    price_transfers: bool = True
+
+    def __post_init__(self):
+        ranks = self.topology.num_ranks
+        if self.num_experts < 1 or self.num_experts % ranks:
+            raise ValueError(f"num_experts = {self.num_experts} must be a positive multiple of the "
+                             f"{ranks} ranks of the topology")
+        if self.guest_slots < 0:
+            raise ValueError(f"guest_slots = {self.guest_slots} must be >= 0")
+        if not self.min_gain >= 0:
+            raise ValueError(f"min_gain = {self.min_gain} must be >= 0")
+        if self.min_gain > 0 and self.dims is None:
+            raise ValueError("min_gain > 0 needs dims (ExpertDims) to price a copy's weight transfer")
+
+    @property
+    def num_ranks(self) -> int:
+        return self.topology.num_ranks
+
+    @property
+    def home_slots(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.topology.gpus_per_node
+
+    @property
+    def pricing(self) -> Pricing | None:
+        return Pricing.make(self.topology, self.dims, self.min_gain, self.price_transfers)
+
+    def __call__(self, counts: Int[ArrayLike, "R E"], placement: Int[ArrayLike, "R H"] | None = None,
+                 held: Int[ArrayLike, "R K"] | None = None) -> Plan:
+        """The plan for counts [R, E] with home experts placement [R, H] (default contiguous).
+
+        held: [R, K] the guest experts each rank holds from the previous micro-batch of the same
+        optimizer step (-1 empty; moe.keep_copies): a copy of one of those ships only its gradients,
+        which the pricing counts."""
+        num_ranks, num_experts = counts.shape
+        if (num_ranks, num_experts) != (self.num_ranks, self.num_experts):
+            raise ValueError(f"counts has shape {counts.shape}; this planner expects "
+                             f"({self.num_ranks}, {self.num_experts})")
+        if held is not None and tuple(held.shape) != (self.num_ranks, self.guest_slots):
+            raise ValueError(f"held has shape {tuple(held.shape)}; it must be [R, K] = "
+                             f"({self.num_ranks}, {self.guest_slots}), the guest experts of each rank")
+        if placement is None:
+            placement = jnp.arange(num_experts, dtype=jnp.int32).reshape(num_ranks, self.home_slots)
+        counts, placement = jnp.asarray(counts, jnp.int32), jnp.asarray(placement, jnp.int32)
+        if self.guest_slots == 0:  # no slot to copy into: every planner reduces to the home plan
+            return home_plan(counts, placement, 0)
+        return self._plan(counts, placement, None if held is None else jnp.asarray(held, jnp.int32))
+
+    def _plan(self, counts, placement, held) -> Plan:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyingPlanner(PlannerBase):
+    """A planner that solves the shared copy problem: its subclass chooses where copies go
+    (`_place`), and every home slot keeps what its copies do not take; tokens follow the
+    locality-tiered routing."""
+
+    def _plan(self, counts, placement, held) -> Plan:
+        problem = CopyProblem.build(counts, placement)
+        copies = self._place(problem, placement, Copies.start(problem, self.guest_slots), held)
+        slot_expert = jnp.concatenate([placement, copies.guests], axis=1)
+        quota = jnp.concatenate([copies.kept[placement], copies.quotas], axis=1)
+        return plan_from_quotas(counts, slot_expert, quota,
+                                self.gpus_per_node, True)
+
+    def _place(self, problem: CopyProblem, placement, copies: Copies, held) -> Copies:
+        raise NotImplementedError
+
+
+__all__ = ["CopyingPlanner", "PlannerBase"]

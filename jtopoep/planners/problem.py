@@ -1,0 +1,155 @@
+"""The copy problem every copying planner solves, built once: loads, the balance target, each
+expert's spill above it, each rank's room below it, and the one rule for whether a copy pays.
+
+Integers throughout, except the pricing's seconds: float32, elementwise or by maxima, so the same
+on every device.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Int
+
+from jtopoep.costmodel import ExpertDims, copy_break_even_pairs
+from jtopoep.plan import home_rank_of_experts
+from jtopoep.planners.arrays import ceil_div, order_by, scatter_set, segment_starts, segmented_prefix_sum
+from jtopoep.topology import Topology
+
+
+def spill_per_expert(loads, placement, target, xp=jnp):
+    """[E] pairs above target on each rank, attributed to its home experts hottest first (ties to
+    the lower slot)."""
+    home_loads = loads[placement]  # [R, H]
+    slot = xp.arange(placement.shape[1])
+    mine, other = home_loads[:, :, None], home_loads[:, None, :]
+    # Pairs of the rank's experts that shed before each one: a pairwise count over the H home
+    # slots, cheaper than a per-row sort for the few slots a rank has.
+    ahead = (other > mine) | ((other == mine) & (slot[None, None, :] < slot[None, :, None]))  # [R, H, H]
+    before = (ahead * other).sum(2)
+    excess = xp.maximum(home_loads.sum(1) - target, 0)[:, None]
+    spill = xp.minimum(home_loads, xp.maximum(excess - before, 0))
+    return scatter_set(loads.shape[0], placement.reshape(-1), spill.reshape(-1).astype(loads.dtype), xp)
+
+
+class CopyProblem(NamedTuple):
+    """What a copying planner starts from. Ranks above the target shed their excess (spill, hottest
+    home experts first); ranks below it have room. Spilling experts live on ranks without room,
+    so no copy can land on its own expert's home."""
+    loads: Int[Array, " E"]  # pairs routed to each expert
+    rank_loads: Int[Array, " R"]  # pairs of each rank's home experts
+    target: Int[Array, ""]  # ceil(sum of loads / R): no plan's busiest rank can take fewer
+    spill: Int[Array, " E"]  # pairs each expert's home rank must shed to reach the target
+    room: Int[Array, " R"]  # pairs each rank can take before it reaches the target
+    home_rank: Int[Array, " E"]
+
+    @classmethod
+    def build(cls, counts: Int[Array, "R E"], placement: Int[Array, "R H"]) -> "CopyProblem":
+        loads = counts.sum(0)
+        num_ranks = counts.shape[0]
+        target = ceil_div(loads.sum(), num_ranks)
+        rank_loads = loads[placement].sum(1)
+        return cls(loads, rank_loads, target, spill_per_expert(loads, placement, target),
+                   jnp.maximum(target - rank_loads, 0), home_rank_of_experts(placement))
+
+
+class Pricing(NamedTuple):
+    """The cost model's rule for whether a copy pays, as static numbers. A copy ships its expert's
+    weights out of the home rank and its gradients back; the cost model hides a home's transfers
+    behind its home-slot GEMMs (the forward for weights, the backward, twice as long, for
+    gradients) and charges the most exposed rank. A copy pays when the GEMM seconds it takes off
+    the home rank are at least what it adds to those maxima, and it takes at least the min-gain
+    share of the pairs that would pay for its whole transfer on its link class."""
+    pair_s: float  # forward+backward GEMM seconds of one pair
+    pair_fwd_s: float  # forward GEMM seconds of one pair
+    copy_s: tuple[float, float]  # seconds to ship one expert over (NVLink, the scale-out link)
+    least_pairs: tuple[float, float]  # min-gain pairs over (NVLink, the scale-out link)
+
+    @classmethod
+    def make(cls, topology: Topology, dims: ExpertDims | None, min_gain: float, priced: bool) -> "Pricing | None":
+        """None where nothing is priced (no dims, or pricing off and no min-gain)."""
+        if dims is None or (not priced and not min_gain):
+            return None
+        rate = topology.flops * topology.mfu
+        copy_s = (dims.expert_bytes / topology.intra_bw, dims.expert_bytes / topology.inter_bw) if priced else (0.0, 0.0)
+        least = tuple(min_gain * p for p in copy_break_even_pairs(topology, dims))
+        return cls(dims.pair_flops / rate if priced else 0.0, dims.pair_flops / 3.0 / rate, copy_s, least)
+
+
+class Shipped(NamedTuple):
+    """Per home rank: pairs shed so far and copies shipped, [R, 4] by (weights over NVLink, weights
+    across nodes, gradients over NVLink, gradients across nodes); a held copy ships gradients only."""
+    shed: Int[Array, " R"]
+    copies: Int[Array, "R 4"]
+
+    @classmethod
+    def none(cls, num_ranks: int) -> "Shipped":
+        return cls(jnp.zeros(num_ranks, jnp.int32), jnp.zeros((num_ranks, 4), jnp.int32))
+
+
+def _exposed(copies, shed, rank_loads, pricing: Pricing):
+    """(forward, backward) seconds of weight transfer a home rank cannot hide behind its GEMMs."""
+    seconds = copies.astype(jnp.float32) * jnp.asarray(pricing.copy_s * 2, jnp.float32)
+    hide = (rank_loads - shed).astype(jnp.float32) * pricing.pair_fwd_s
+    weights = jnp.maximum(seconds[..., 0], seconds[..., 1])
+    grads = jnp.maximum(seconds[..., 2], seconds[..., 3])
+    return jnp.maximum(weights - hide, 0.0), jnp.maximum(grads - 2.0 * hide, 0.0)
+
+
+def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[Array, " P"],
+                  new: Bool[Array, " P"], held: Bool[Array, " P"], problem: CopyProblem, shipped: Shipped,
+                  pricing: Pricing | None, gpus_per_node: int) -> Bool[Array, " P"]:
+    """Which of P proposed copies (expert onto dest rank, taking amount pairs off its home; new:
+    it takes a slot, else it adds to a copy the rank has; held: the rank holds the expert from the
+    step's previous micro-batch, so only gradients ship) to make, all decided at once.
+
+    Each home rank's proposals are taken largest first while each pays: its GEMM seconds saved at
+    least the rise of the largest exposed transfer (forward and backward, against the maxima the
+    copies already made leave) once it and the larger ones are made. Larger proposals pay first, so
+    a home's accepted ones are a prefix of its list."""
+    if pricing is None:
+        return amount > 0
+    num = expert.shape[0]
+    home = problem.home_rank[jnp.maximum(expert, 0)]
+    across = (home // gpus_per_node) != (dest // gpus_per_node)
+    ships = (amount > 0) & new
+    kinds = jnp.stack([ships & ~held & ~across, ships & ~held & across, ships & ~across, ships & across], 1)
+    num_ranks = problem.rank_loads.shape[0]
+    order = order_by(jnp.where(amount > 0, home, num_ranks), num_ranks + 1, jnp.maximum(amount, 0))
+    home_s, amount_s, kinds_s = home[order], amount[order], kinds[order].astype(jnp.int32)
+    starts = segment_starts(home_s)
+    shed = segmented_prefix_sum(amount_s, starts) + shipped.shed[home_s]
+    copies = jax.vmap(segmented_prefix_sum, (1, None), 1)(kinds_s, starts) + shipped.copies[home_s]
+    loads = problem.rank_loads[home_s]
+    fwd_max, bwd_max = (x.max() for x in _exposed(shipped.copies, shipped.shed, problem.rank_loads, pricing))
+    after = _exposed(copies, shed, loads, pricing)
+    before = _exposed(copies - kinds_s, shed - amount_s, loads, pricing)
+    rise = sum(jnp.maximum(a, m) - jnp.maximum(b, m) for a, b, m in zip(after, before, (fwd_max, bwd_max)))
+    gain = amount_s.astype(jnp.float32) * pricing.pair_s
+    least = jnp.where(across[order], pricing.least_pairs[1], pricing.least_pairs[0])
+    pays = (amount_s > 0) & (gain >= rise) & (amount_s >= least)
+    # A home's proposals after one that does not pay are not made either.
+    refused = segmented_prefix_sum((~pays).astype(jnp.int32), starts) > 0
+    return jnp.zeros(num, bool).at[order].set(pays & ~refused, unique_indices=True)
+
+
+def ship(shipped: Shipped, expert, dest, amount, new, held, problem: CopyProblem, gpus_per_node: int) -> Shipped:
+    """Shipped after the copies (expert onto dest taking amount; zero amounts are not made)."""
+    home = problem.home_rank[jnp.maximum(expert, 0)]
+    across = (home // gpus_per_node) != (dest // gpus_per_node)
+    ships = (amount > 0) & new
+    kinds = jnp.stack([ships & ~held & ~across, ships & ~held & across, ships & ~across, ships & across], 1)
+    num_ranks = shipped.shed.shape[0]
+    return Shipped(shipped.shed + jnp.zeros(num_ranks, jnp.int32).at[home].add(jnp.maximum(amount, 0)),
+                   shipped.copies + jnp.zeros((num_ranks, 4), jnp.int32).at[home].add(kinds.astype(jnp.int32)))
+
+
+def node_link_class(topology: Topology, xp=jnp):
+    """[R, R] True where the two ranks are on different nodes."""
+    node = xp.arange(topology.num_ranks) // topology.gpus_per_node
+    return node[:, None] != node[None, :]
+
+
+__all__ = ["CopyProblem", "Pricing", "Shipped", "node_link_class", "paying_pieces", "ship", "spill_per_expert"]

@@ -1,0 +1,209 @@
+"""Copies placed in a fixed number of parallel rounds: sorted spill laid against sorted room.
+
+One round lays the items (experts, or pieces of experts bound for a node) end to end on a line,
+largest first, and the bins (ranks, or nodes) likewise, and gives each bin the items its interval
+overlaps, by how much they overlap: so each piece either fills a bin or ends an item, and a round
+makes at most (items + bins) pieces. Segments (the nodes, for a round that stays within them) get
+lines of their own, laid one after another. A sort, prefix sums and a binary search per round: no
+loop whose trip count grows with the ranks, the experts or the copies.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from jtopoep.ordering import inverse_permutation
+from jtopoep.planners.arrays import (carry_like, exclusive_prefix_sum, order_by, overlap, prefix_sum, scatter_add,
+                                     segment_starts, segmented_prefix_sum)
+from jtopoep.planners.problem import CopyProblem, Pricing, Shipped, paying_pieces, ship, spill_per_expert
+
+
+def _line(size, segment, num_segments: int):
+    """(order, segment, upper end of each interval, in that order) for entries laid out by segment,
+    then largest first; entries of size 0 go last. Also each segment's total."""
+    segment = jnp.where(size > 0, segment, num_segments)
+    order = order_by(segment, num_segments + 1, size)
+    totals = scatter_add((num_segments + 1,), (segment,), size)
+    sorted_size = size[order]
+    within = prefix_sum(sorted_size) - exclusive_prefix_sum(totals)[segment[order]]
+    return order, segment[order], within, sorted_size, totals
+
+
+def match(item_size: Int[Array, " I"], item_segment: Int[Array, " I"], bin_size: Int[Array, " B"],
+          bin_segment: Int[Array, " B"], num_segments: int, width: int) -> tuple[Int[Array, "B W"], Int[Array, "B W"]]:
+    """(item index, pairs) of the first `width` items each bin's interval overlaps, and by how much
+    (0 where fewer overlap). Within each segment items and bins are laid out largest first (ties to
+    the lower index); items of one segment only meet bins of the same segment."""
+    num_items = item_size.shape[0]
+    item_order, item_seg, item_within, item_sorted, item_totals = _line(item_size, item_segment, num_segments)
+    bin_order, bin_seg, bin_within, bin_sorted, bin_totals = _line(bin_size, bin_segment, num_segments)
+    origin = exclusive_prefix_sum(jnp.maximum(item_totals, bin_totals))  # each segment's own stretch of line
+    item_hi = origin[item_seg] + item_within
+    bin_hi = origin[bin_seg] + bin_within
+    bin_lo = bin_hi - bin_sorted
+    first = jnp.searchsorted(item_hi, bin_lo, side="right", method="scan_unrolled")  # [B]
+    index = first[:, None] + jnp.arange(width)[None, :]
+    safe = jnp.minimum(index, num_items - 1)
+    amount = jnp.where(index < num_items, overlap(item_hi[safe] - item_sorted[safe], item_hi[safe],
+                                                  bin_lo[:, None], bin_hi[:, None]), 0)
+    back = inverse_permutation(bin_order)
+    return item_order[safe][back], amount[back]
+
+
+class Copies(NamedTuple):
+    """Guest copies made so far. What each home slot keeps is carried; each rank's load, room and
+    its experts' spill follow from it."""
+    guests: Int[Array, "R K"]  # expert in each guest slot, -1 empty
+    quotas: Int[Array, "R K"]  # pairs each guest slot takes
+    kept: Int[Array, " E"]  # pairs each expert's home slot keeps
+    shipped: Shipped
+
+    @classmethod
+    def start(cls, problem: CopyProblem, guest_slots: int) -> "Copies":
+        num_ranks = problem.room.shape[0]
+        return cls(jnp.full((num_ranks, guest_slots), -1, jnp.int32), jnp.zeros((num_ranks, guest_slots), jnp.int32),
+                   problem.loads, Shipped.none(num_ranks))
+
+    @property
+    def used(self) -> Int[Array, " R"]:
+        return (self.guests >= 0).sum(1).astype(jnp.int32)
+
+    def rank_loads(self, placement) -> Int[Array, " R"]:
+        return self.kept[placement].sum(1) + self.quotas.sum(1)
+
+    def room(self, problem: CopyProblem, placement) -> Int[Array, " R"]:
+        return jnp.maximum(problem.target - self.rank_loads(placement), 0)
+
+    def open_room(self, problem: CopyProblem, placement) -> Int[Array, " R"]:
+        """Room on ranks with a free guest slot."""
+        return jnp.where(self.used < self.guests.shape[1], self.room(problem, placement), 0)
+
+    def spill(self, problem: CopyProblem, placement) -> Int[Array, " E"]:
+        """Each rank's excess over the target, attributed to what its home slots keep, hottest first."""
+        excess = self.rank_loads(placement) - self.kept[placement].sum(1)  # its guests' pairs
+        return spill_per_expert(self.kept, placement, problem.target - excess)
+
+
+def share_out(expert: Int[Array, " P"], want: Int[Array, " P"], available: Int[Array, " E"]) -> Int[Array, " P"]:
+    """What each of P wants of its expert's available pairs, first come first served."""
+    order = order_by(jnp.where(want > 0, expert, available.shape[0]), available.shape[0] + 1)
+    in_order = want[order]
+    before = segmented_prefix_sum(in_order, segment_starts(expert[order])) - in_order
+    granted = jnp.clip(available[jnp.maximum(expert[order], 0)] - before, 0, in_order)
+    return jnp.zeros_like(want).at[order].set(granted, unique_indices=True)
+
+
+def top_up(copies: Copies, problem: CopyProblem, placement) -> tuple[Int[Array, "R K"], Int[Array, "R K"]]:
+    """Proposals [R, K] that fill the room left on ranks whose guest slots are all taken, by taking
+    more of their guests' pairs off those guests' home slots (the room then opens on the homes,
+    which have free slots)."""
+    slots = copies.guests.shape[1]
+    room = jnp.where(copies.used == slots, copies.room(problem, placement), 0)
+    available = copies.kept[jnp.maximum(copies.guests, 0)]
+    want = jnp.where(copies.guests >= 0, available, 0)
+    want = jnp.clip(room[:, None] - (prefix_sum(want, 1) - want), 0, want)  # the rank's slots in order
+    granted = share_out(copies.guests.reshape(-1), want.reshape(-1), copies.kept)
+    return copies.guests, granted.reshape(copies.guests.shape)
+
+
+def place(copies: Copies, expert: Int[Array, "R W"], amount: Int[Array, "R W"], problem: CopyProblem,
+          placement: Int[Array, "R H"], pricing: Pricing | None, held: Int[Array, "R K"] | None,
+          gpus_per_node: int, overshed: bool = False) -> Copies:
+    """Copies after proposals for each rank (expert, pairs; 0 for none), those that pay made at once.
+
+    A proposal for an expert the rank already holds as a guest adds to that copy; the others fill
+    the rank's free slots in order, and a rank gets at most as many new experts as it has free
+    slots. overshed: a copy into a rank's last free slot that would leave room there takes that
+    room too, as far as its expert's home slot keeps pairs: the room then opens on the home rank,
+    whose free slots can take what still spills (with few slots, the room sits on the few cold
+    ranks while many experts spill)."""
+    num_ranks, slots = copies.guests.shape
+    width = expert.shape[1]
+    expert = jnp.where(amount > 0, expert, -1)
+    existing = (copies.guests[:, None, :] == expert[:, :, None]) & (expert[:, :, None] >= 0)  # [R, W, K]
+    new = (expert >= 0) & ~existing.any(2)
+    position = copies.used[:, None] + prefix_sum(new.astype(jnp.int32), 1) - 1
+    amount = jnp.where(new & (position >= slots), 0, amount)
+    new = new & (amount > 0)
+    if overshed:
+        left = copies.room(problem, placement) - amount.sum(1)  # [R]
+        last = new & (position == slots - 1) & (left[:, None] > 0)
+        kept_after = copies.kept - scatter_add(copies.kept.shape, (jnp.maximum(expert, 0).reshape(-1),),
+                                               amount.reshape(-1))
+        extra = jnp.where(last, jnp.minimum(left[:, None], kept_after[jnp.maximum(expert, 0)]), 0).reshape(-1)
+        extra = share_out(expert.reshape(-1), extra, kept_after)
+        amount = amount + extra.reshape(num_ranks, width)
+    holds = (jnp.zeros((num_ranks, width), bool) if held is None
+             else (held[:, None, :] == expert[:, :, None]).any(2))
+    dest = jnp.broadcast_to(jnp.arange(num_ranks, dtype=jnp.int32)[:, None], expert.shape)
+    flat = [x.reshape(-1) for x in (expert, dest, amount, new, holds)]
+    made = paying_pieces(*flat, problem, copies.shipped, pricing, gpus_per_node).reshape(num_ranks, width)
+    amount = jnp.where(made, amount, 0)
+    new = new & made
+    position = copies.used[:, None] + prefix_sum(new.astype(jnp.int32), 1) - 1
+    into = new[:, :, None] & (position[:, :, None] == jnp.arange(slots)[None, None, :])  # [R, W, K]
+    guests = jnp.where(into.any(1), (jnp.where(into, expert[:, :, None], 0)).sum(1), copies.guests)
+    added = (jnp.where(into | (existing & made[:, :, None]), amount[:, :, None], 0)).sum(1)
+    return Copies(guests, copies.quotas + added,
+                  copies.kept - scatter_add(copies.kept.shape, (jnp.maximum(expert, 0).reshape(-1),),
+                                            amount.reshape(-1)),
+                  ship(copies.shipped, *(x.reshape(-1) for x in (expert, dest, amount, new, holds)), problem,
+                       gpus_per_node))
+
+
+def within_nodes(copies: Copies, problem: CopyProblem, placement, gpus_per_node: int):
+    """Proposals [R, K] that keep each node's spill on its own ranks: its experts against its ranks'
+    room, both largest first."""
+    num_ranks, slots = copies.guests.shape
+    nodes = num_ranks // gpus_per_node
+    rank_node = jnp.arange(num_ranks, dtype=jnp.int32) // gpus_per_node
+    spill, room = copies.spill(problem, placement), copies.open_room(problem, placement)
+    item, amount = match(spill, problem.home_rank // gpus_per_node, room, rank_node, nodes, slots)
+    return item, amount
+
+
+def onto_ranks_of_nodes(piece_expert: Int[Array, " P"], piece_node: Int[Array, " P"], piece_amount: Int[Array, " P"],
+                        room: Int[Array, " R"], gpus_per_node: int, slots: int):
+    """Proposals [R, K] that spread pieces bound for each node (expert, node, pairs) over that
+    node's ranks: the node's pieces against its ranks' room, both largest first."""
+    num_ranks = room.shape[0]
+    rank_node = jnp.arange(num_ranks, dtype=jnp.int32) // gpus_per_node
+    item, amount = match(piece_amount, piece_node, room, rank_node, num_ranks // gpus_per_node, slots)
+    return piece_expert[item], amount
+
+
+def onto_nodes(spill: Int[Array, " E"], room: Int[Array, " R"], gpus_per_node: int, slots: int):
+    """Pieces (expert, node, pairs), [N * G * K] each, that send what each expert still spills to
+    nodes with room: both largest first."""
+    nodes = room.shape[0] // gpus_per_node
+    node_room = room.reshape(nodes, gpus_per_node).sum(1)
+    zeros_e, zeros_n = jnp.zeros_like(spill), jnp.zeros(nodes, jnp.int32)
+    item, amount = match(spill, zeros_e, node_room, zeros_n, 1,
+                         gpus_per_node * slots)
+    node = jnp.broadcast_to(jnp.arange(nodes, dtype=jnp.int32)[:, None], item.shape)
+    return item.reshape(-1), node.reshape(-1), amount.reshape(-1)
+
+
+__all__ = ["Copies", "match", "onto_nodes", "onto_ranks_of_nodes", "place", "within_nodes"]
+
+
+def across_nodes(copies: Copies, problem: CopyProblem, placement, pricing: Pricing | None, held, gpus_per_node: int,
+                 rounds: int) -> Copies:
+    """`rounds` rounds of: top up the room left behind full slots, then what still spills onto the
+    nodes with most room, then onto each node's ranks with most room (over-shedding into last slots).
+    Each round places what the rounds before left for want of a free slot or of room; one with
+    nothing left to place changes nothing. A loop of identical rounds, so it compiles once."""
+    slots = copies.guests.shape[1]
+
+    def one_round(_, copies):
+        copies = place(copies, *top_up(copies, problem, placement), problem, placement, pricing, held, gpus_per_node)
+        room = copies.open_room(problem, placement)
+        pieces = onto_nodes(copies.spill(problem, placement), room, gpus_per_node, slots)
+        proposals = onto_ranks_of_nodes(*pieces, room, gpus_per_node, slots)
+        return place(copies, *proposals, problem, placement, pricing, held, gpus_per_node, overshed=True)
+
+    return jax.lax.fori_loop(0, rounds, one_round, carry_like(copies, problem.loads))
