@@ -28,7 +28,7 @@ import dataclasses
 
 import numpy as np
 
-from jtopoep.plan import Plan, home_rank_of_experts
+from jtopoep.plan import Plan, guest_sources, home_rank_of_experts
 from jtopoep.topology import Topology
 
 EXCHANGES_PER_LAYER = 4  # dispatch + combine, forward + backward
@@ -105,14 +105,18 @@ def shipped_guest_slots(plan: Plan, placement, held=None) -> tuple[np.ndarray, n
     return home_rank, shipped
 
 
-def guest_transfers(plan: Plan, placement: np.ndarray, held=None) -> np.ndarray:
-    """[R(home), R(guest host)] number of guest copies shipped from each home rank to each rank
-    (held: as shipped_guest_slots)."""
+def guest_transfers(plan: Plan, placement: np.ndarray, gpus_per_node: int, held=None) -> np.ndarray:
+    """[R(sender), R(guest host)] number of guest copies each rank sends each rank under the fan-out
+    fetch (plan.guest_sources: a home sends across nodes once per node, relays pass copies on over
+    NVLink); held: as shipped_guest_slots. Gradients travel the same links back."""
     home_rank, shipped = shipped_guest_slots(plan, placement, held)
+    home = np.asarray(placement).shape[1]
+    guests = np.asarray(plan.slot_expert)[:, home:]
+    source = guest_sources(guests, np.asarray(placement), gpus_per_node, shipped, np)
     num_ranks = home_rank.shape[0]
     moves = np.zeros((num_ranks, num_ranks), np.int64)
     for d, h in zip(*np.nonzero(shipped)):
-        moves[home_rank[d, h], d] += 1
+        moves[source[d, h], d] += 1
     return moves
 
 
@@ -145,10 +149,11 @@ def guest_copy_seconds(plan: Plan, topology: Topology, dims: ExpertDims, placeme
     """([R] seconds of guest weights going out, [R] seconds of guest gradients coming back) at each
     rank: copies held already ship no weights, but every copy's gradients go home."""
     placement = np.asarray(placement)
-    every_copy = copy_seconds_per_rank(guest_transfers(plan, placement), topology, dims)
+    every_copy = copy_seconds_per_rank(guest_transfers(plan, placement, topology.gpus_per_node), topology, dims)
     if held is None:
         return every_copy, every_copy
-    return copy_seconds_per_rank(guest_transfers(plan, placement, held), topology, dims), every_copy
+    return (copy_seconds_per_rank(guest_transfers(plan, placement, topology.gpus_per_node, held), topology, dims),
+            every_copy)
 
 
 def slot_forward_seconds(plan: Plan, topology: Topology, dims: ExpertDims, placement) -> tuple[np.ndarray, np.ndarray]:

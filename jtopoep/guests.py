@@ -1,12 +1,17 @@
-"""Guest-slot weights: fetched from each expert's home rank, or kept from the previous micro-batch.
+"""Guest-slot weights: fanned out from each expert's home rank, or kept from the previous micro-batch.
 
 Called inside shard_map over ("node", "gpu"), from jtopoep.dispatch.
 
     guests  = plan.slot_expert[:, H:]           i[R, K]  every rank's guest experts (-1 empty)
-    fetch   : home rank h sends, for every guest slot (d, i) holding one of its experts, that
-              expert's weights to d, in (d, i) order; d puts each in its slot (transport.exchange)
-    backward: the transpose: each guest slot's weight gradient goes back to its home rank and adds
-              into the home expert's gradient
+    fetch   : home rank h sends each of its experts once to every other node holding copies of it
+              (to the node's first holder, the relay) and directly to the holders on its own node;
+              each relay passes its copy on to the other holders of its node over NVLink
+              (plan.guest_sources; two exchanges, transport.exchange)
+    backward: the transpose: each node's guest gradients are summed at its relay, which sends one
+              sum home, where they add into the home expert's gradient
+
+A hot expert with copies on many ranks thus costs its home's scale-out link one transfer per node,
+not one per copy.
 
 Keeping copies across micro-batches. With gradient accumulation the weights do not change between
 the micro-batches of one optimizer step, so a copy a rank already holds from the previous micro-batch
@@ -36,7 +41,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jtopoep.ordering import first_argmax, stable_order
-from jtopoep.plan import home_rank_of_experts
+from jtopoep.plan import guest_sources, home_rank_of_experts
 from jtopoep.transport import exchange, exclusive_cumsum
 
 
@@ -59,32 +64,51 @@ def kept_slots(guests: Int[Array, "R K"], held: Int[Array, "R K"]) -> jax.Array:
     return (guests >= 0) & (guests[:, :, None] == held[:, None, :]).any(2)
 
 
-def _fetch(weights: ExpertWeights, guests, placement, me, skip, move) -> ExpertWeights:
-    """[K, ...] weights of this rank's guest slots, sent by the experts' home ranks; slots that are
-    empty or `skip`ped [R, K] get zeros and nothing is sent for them. Linear in `weights`."""
+def _deliver(rows, pick, src, me, move, num_guests: int, across: bool):
+    """[K, F] rows for this rank's guest slots: every slot (d, i) with a sender src[d, i] gets, from
+    that rank, the row pick[d, i] of the sender's `rows` ([n, F]); slots without one get zeros.
+    across: whether any of these sends crosses nodes (it may then take the two-stage exchange).
+    Linear in rows: a one-hot matmul picks them, whose transpose sums gradients with a dense dot,
+    not a float scatter-add whose order could vary."""
     gpus_per_node, backend, hierarchical = move
+    num_ranks = src.shape[0]
+    sizes = (src[None, :, :] == jnp.arange(num_ranks)[:, None, None]).sum(2).astype(jnp.int32)  # [sender, d]
+    mine = (src == me).reshape(-1)
+    send_order = stable_order((~mine).astype(jnp.int32), 2)  # my (d, i) slots first, in (d, i) order
+    which = pick.reshape(-1)[send_order]
+    send = (which[:, None] == jnp.arange(rows.shape[0])[None, :]).astype(rows.dtype) @ rows  # [R*K, F]
+    received = exchange(send, sizes, out_rows=num_guests, gpus_per_node=gpus_per_node, backend=backend,
+                        hierarchical=hierarchical and across, capacity=num_guests)
+    my_src = jax.lax.dynamic_index_in_dim(src, me, 0, keepdims=False)  # [K]
+    earlier_same = (my_src[None, :] == my_src[:, None]) & (jnp.arange(num_guests)[None, :] < jnp.arange(num_guests)[:, None])
+    offset = exclusive_cumsum(jax.lax.dynamic_index_in_dim(sizes, me, 1, keepdims=False))  # per sender
+    position = offset[jnp.maximum(my_src, 0)] + earlier_same.sum(1)
+    return jnp.where((my_src >= 0)[:, None], received[jnp.clip(position, 0, num_guests - 1)], 0)
+
+
+def _fetch(weights: ExpertWeights, guests, placement, me, skip, move) -> ExpertWeights:
+    """[K, ...] weights of this rank's guest slots, fanned out from the experts' home ranks
+    (plan.guest_sources): first each home sends its copies to the holders on its own node and to
+    one relay on every other node holding the expert, then each relay passes its copy on to the
+    other holders of its node. Slots that are empty or `skip`ped [R, K] get zeros and nothing is
+    sent for them. Linear in `weights`, so its transpose returns the gradients up the same tree."""
+    gpus_per_node = move[0]
     num_ranks, home = placement.shape
     num_guests = guests.shape[1]
     home_rank = home_rank_of_experts(placement)
     home_slot = first_argmax(placement[home_rank] == jnp.arange(placement.size)[:, None], axis=1)  # [E]
     sent = (guests >= 0) & ~skip
-    src = jnp.where(sent, home_rank[jnp.maximum(guests, 0)], -1)  # [R, K] home rank per slot it sends
-    sizes = (src[None, :, :] == jnp.arange(num_ranks)[:, None, None]).sum(2).astype(jnp.int32)  # [h, d]
+    src = guest_sources(guests, placement, gpus_per_node, sent)
+    from_home = src == home_rank[jnp.maximum(guests, 0)]
     rows = jnp.concatenate([w.reshape(home, -1) for w in weights], axis=1)  # [H, 3*D*F]
-    mine = (src == me).reshape(-1)
-    send_order = stable_order((~mine).astype(jnp.int32), 2)  # my (d, i) slots first, in (d, i) order
-    which = home_slot[jnp.maximum(guests.reshape(-1), 0)][send_order]
-    # A one-hot matmul rather than a gather: its transpose sums guest gradients into the home rows
-    # with a dense dot, not a float scatter-add whose order could vary.
-    pick = (which[:, None] == jnp.arange(home)[None, :]).astype(rows.dtype)
-    send = pick @ rows  # [R*K, 3*D*F]
-    received = exchange(send, sizes, out_rows=num_guests, gpus_per_node=gpus_per_node, backend=backend,
-                        hierarchical=hierarchical, capacity=num_guests)
-    my_src = jax.lax.dynamic_index_in_dim(src, me, 0, keepdims=False)  # [K]
-    earlier_same = (my_src[None, :] == my_src[:, None]) & (jnp.arange(num_guests)[None, :] < jnp.arange(num_guests)[:, None])
-    offset = exclusive_cumsum(jax.lax.dynamic_index_in_dim(sizes, me, 1, keepdims=False))  # per source
-    position = offset[jnp.maximum(my_src, 0)] + earlier_same.sum(1)
-    got = jnp.where((my_src >= 0)[:, None], received[jnp.clip(position, 0, num_guests - 1)], 0)
+    got = _deliver(rows, home_slot[jnp.maximum(guests, 0)], jnp.where(from_home, src, -1), me, move, num_guests,
+                   True)
+    # Stage 2, over NVLink: a relay sends the row of its own slot holding the expert.
+    relayed = sent & ~from_home
+    held_at = (guests[src.clip(0)] == guests[:, :, None]).astype(jnp.int32)  # [R, K, K] the relay's slots
+    relay_slot = first_argmax(held_at, axis=2)
+    got = jnp.where(jax.lax.dynamic_index_in_dim(relayed, me, 0, keepdims=False)[:, None],
+                    _deliver(got, relay_slot, jnp.where(relayed, src, -1), me, move, num_guests, False), got)
     parts, start = [], 0
     for w in weights:
         size = w[0].size

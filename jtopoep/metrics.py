@@ -62,7 +62,7 @@ def summarize(plan: Plan, counts, topology: Topology, dims: ExpertDims, placemen
     }
     cls = link_class(topology)
     pairs = route.sum(axis=2)
-    moves = guest_transfers(plan, placement)
+    moves = guest_transfers(plan, placement, topology.gpus_per_node)
     cost = topology.link_cost().astype(np.float64)
     names = {0: "local", 1: "intra", 2: "inter"}
     for c, name in names.items():

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Int
 
 
 class Plan(NamedTuple):
@@ -130,3 +130,27 @@ def plan_fingerprint(plan: Plan) -> Int[Array, ""]:
         parts.append((flat * (mix ^ (mix >> 16))).sum(dtype=jnp.uint32))
     return jax.lax.bitcast_convert_type(parts[0] * jnp.uint32(0x9E3779B1) + parts[1], jnp.int32)
 
+
+
+def guest_sources(guests: Int[ArrayLike, "R K"], placement: Int[ArrayLike, "R H"], gpus_per_node: int,
+                  sent: Bool[ArrayLike, "R K"] | None = None, xp=jnp) -> Int[ArrayLike, "R K"]:
+    """[R, K] the rank that sends each guest slot its expert's weights (-1 for empty slots and those
+    not `sent`), as the fan-out fetch does: a copy on its expert's home node comes from the home over
+    NVLink; on another node, the home sends one copy across, to that node's first slot holding the
+    expert (in (rank, slot) order: the relay), and the relay passes it on over NVLink to the node's
+    other holders. Gradients go back up the same tree, summed at each relay. numpy or jnp (xp)."""
+    num_ranks, slots = guests.shape
+    if slots == 0:
+        return xp.zeros((num_ranks, 0), xp.int32)
+    flat = guests.reshape(-1)
+    if sent is None:
+        sent = guests >= 0
+    sent = sent.reshape(-1) & (flat >= 0)
+    home = home_rank_of_experts(placement, xp)[xp.maximum(flat, 0)]
+    node = xp.repeat(xp.arange(num_ranks, dtype=xp.int32), slots) // gpus_per_node
+    # The relay of each slot: the first sent slot of the same node holding the same expert.
+    same = (flat[:, None] == flat[None, :]) & (node[:, None] == node[None, :]) & sent[None, :]
+    relay = xp.argmax(same, axis=1) // slots
+    source = xp.where(home // gpus_per_node == node, home, xp.where(relay == xp.arange(flat.shape[0]) // slots,
+                                                                     home, relay))
+    return xp.where(sent, source, -1).reshape(num_ranks, slots).astype(xp.int32)

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 import pytest
 
 from jtopoep.guests import ExpertWeights, GuestCopies, fetch_guest_weights, join_hidden, kept_slots
-from jtopoep.plan import contiguous_placement
+from jtopoep.plan import contiguous_placement, guest_sources
 from jtopoep.topology import Topology, make_mesh
 
 R, E, K, D, F = 8, 16, 3, 5, 4
@@ -30,7 +30,7 @@ def weights(seed=0):
 
 
 @functools.lru_cache(maxsize=None)
-def fetcher(keep: bool, chunks: int = 1):
+def fetcher(keep: bool, chunks: int = 1, hierarchical: bool = False):
     """jit(value_and_grad) of sum(cotangent * guest weights) on the 2x4 mesh, and the weights (the
     slices of the hidden width joined back)."""
     topo = Topology.preset("cpu-2x4")
@@ -39,7 +39,7 @@ def fetcher(keep: bool, chunks: int = 1):
         me = jax.lax.axis_index("node") * topo.gpus_per_node + jax.lax.axis_index("gpu")
         previous = GuestCopies(held, ExpertWeights(*held_w)) if keep else None
         got = fetch_guest_weights(ExpertWeights(*w), guests, jnp.asarray(PLACEMENT), me, gpus_per_node=topo.gpus_per_node,
-                                  backend="dense", hierarchical=False, previous=previous, chunks=chunks)
+                                  backend="dense", hierarchical=hierarchical, previous=previous, chunks=chunks)
         assert len(got) == chunks and got[0].gate.shape[-1] == F // chunks
         got = join_hidden(got)
         loss = sum((g * c).sum() for g, c in zip(got, cot))
@@ -56,6 +56,19 @@ def held_copies(w, marker):
                            for x in w))
 
 
+def test_fan_out_sends_each_expert_across_once_per_node():
+    """Expert 3 (home rank 1, node 0) has copies on ranks 4 and 5 (node 1): the home sends it to
+    rank 4, the node's first holder, which passes it on to rank 5; expert 0's copy on rank 1 (its
+    home node) comes from home. Across nodes, one send per (expert, node holding copies of it)."""
+    src = np.asarray(guest_sources(jnp.asarray(GUESTS), PLACEMENT, 4))
+    assert src[4, 2] == 1 and src[5, 2] == 4 and src[1, 0] == 0 and (src[GUESTS < 0] == -1).all()
+    node = np.arange(R) // 4
+    across = (src >= 0) & (node[np.maximum(src, 0)] != node[:, None])
+    remote = {(g, node[d]) for d in range(R) for g in GUESTS[d] if g >= 0 and (g // 2) // 4 != node[d]}
+    assert across.sum() == len(remote) < sum(1 for d in range(R) for g in GUESTS[d] if g >= 0 and (g // 2) // 4 != node[d])
+    np.testing.assert_array_equal(guest_sources(GUESTS, np.asarray(PLACEMENT), 4, xp=np), src)
+
+
 def test_kept_slots_are_the_experts_the_rank_still_holds():
     kept = np.asarray(kept_slots(jnp.asarray(GUESTS), jnp.asarray(HELD)))
     expected = np.array([[g >= 0 and g in HELD[d] for g in GUESTS[d]] for d in range(R)])
@@ -63,12 +76,12 @@ def test_kept_slots_are_the_experts_the_rank_still_holds():
     assert kept.sum() == 12 and not kept[0, 2]  # an empty slot is never kept, even where -1 is held
 
 
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_fetch_puts_each_experts_weights_in_its_slot_and_sends_gradients_home(chunks):
+@pytest.mark.parametrize("chunks,hierarchical", [(1, False), (2, False), (1, True)])
+def test_fetch_puts_each_experts_weights_in_its_slot_and_sends_gradients_home(chunks, hierarchical):
     w = weights()
     cot = weights(1)
     cot = ExpertWeights(*(np.resize(c, (R * K,) + c.shape[1:]) for c in cot))
-    (_, got), grads = fetcher(False, chunks)(w, GUESTS, HELD, held_copies(w, 0.0), cot)
+    (_, got), grads = fetcher(False, chunks, hierarchical)(w, GUESTS, HELD, held_copies(w, 0.0), cot)
     for x, g, c, dw in zip(w, got, cot, grads):
         rows = GUESTS.reshape(-1)
         np.testing.assert_array_equal(np.asarray(g), np.where((rows >= 0)[:, None, None], x[np.maximum(rows, 0)], 0))

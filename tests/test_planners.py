@@ -13,7 +13,7 @@ from jtopoep.plan import check_plan
 from jtopoep.planners import eplb_host, get_planner
 from jtopoep.topology import make_mesh
 
-from planner_cases import DIMS, R, TOPO, adversarial, jitted, loads
+from planner_cases import DIMS, KINDS, R, TOPO, adversarial, jitted, loads
 
 PLANNERS = ["none", "eplb", "topoep", "taot"]
 SETTINGS = [(E, K) for E in (R, 8 * R) for K in (0, 1, 2)]
@@ -210,7 +210,7 @@ def test_a_held_copy_pays_where_a_shipped_one_does_not():
 
     def made(held, priced=pricing):
         return int(np.asarray(paying_pieces(jnp.zeros(7, jnp.int32), jnp.arange(1, 8), jnp.full(7, pairs),
-                                            jnp.ones(7, bool), jnp.full(7, held), problem, Shipped.none(R), priced,
+                                            jnp.ones(7, bool), jnp.full(7, held), problem, Shipped.none(R, 16, 2), priced,
                                             TOPO.gpus_per_node)).sum())
 
     assert made(False) < made(True) <= 7 and made(False, None) == 7
@@ -231,12 +231,12 @@ def test_a_homes_copies_are_made_largest_first_while_they_pay():
     counts[0, 0] = int(amount.sum())  # the home sheds everything: no GEMM of its own left to hide behind
     problem = CopyProblem.build(jnp.asarray(counts), jnp.arange(16).reshape(R, 2))
     made = paying_pieces(jnp.zeros(3, jnp.int32), jnp.arange(1, 4), amount, jnp.ones(3, bool), jnp.zeros(3, bool),
-                         problem, Shipped.none(R), pricing, TOPO.gpus_per_node)
+                         problem, Shipped.none(R, 16, 2), pricing, TOPO.gpus_per_node)
     # The largest saves four transfers' worth and exposes less than one; the second would expose
     # both transfers in full for two transfers' worth; the smallest comes after it.
     assert list(np.asarray(made)) == [False, True, False]
     unpriced = paying_pieces(jnp.zeros(3, jnp.int32), jnp.arange(1, 4), amount, jnp.ones(3, bool),
-                             jnp.zeros(3, bool), problem, Shipped.none(R), None, TOPO.gpus_per_node)
+                             jnp.zeros(3, bool), problem, Shipped.none(R, 16, 2), None, TOPO.gpus_per_node)
     assert np.asarray(unpriced).all()
 
 
@@ -274,12 +274,14 @@ def test_match_lays_sorted_items_against_sorted_bins():
 
 
 @pytest.mark.parametrize("name", ["topoep", "taot"])
-def test_no_compiled_planner_loop_runs_more_than_64_steps(name):
-    """The planners are a fixed number of parallel rounds: at any R, the compiled program's loops
-    (Sinkhorn's iterations, binary searches) have known trip counts of at most 64, and none is a
-    data-dependent while loop."""
+def test_no_compiled_planner_loop_runs_more_than_64_steps(name, monkeypatch):
+    """The planners are a fixed number of parallel rounds: at any R, compiled as for a GPU (no
+    early exit), the program's loops (the rounds, Sinkhorn's iterations) have known trip counts of
+    at most 64, and none is a data-dependent while loop."""
     from jtopoep.config import TopologyConfig
+    from jtopoep.planners import rounds
 
+    monkeypatch.setattr(rounds, "EARLY_EXIT_PLATFORMS", ())
     for num_ranks in (8, 64, 256):
         topology = TopologyConfig(num_nodes=num_ranks // 8, gpus_per_node=8).to_topology()
         planner = get_planner(name, topology=topology, num_experts=max(256, num_ranks), guest_slots=2, dims=DIMS)
@@ -289,3 +291,40 @@ def test_no_compiled_planner_loop_runs_more_than_64_steps(name):
         for line in whiles:
             trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
             assert trips and int(trips.group(1)) <= 64, (name, num_ranks, line[:200])
+
+
+def test_a_home_pays_one_scale_out_transfer_per_node_it_reaches():
+    """Under the fan-out fetch, expert 0's copies on ranks 4-7 (node 1) cost its home one transfer
+    across nodes (the relay passes the rest on), which its other expert's GEMMs hide: all four are
+    made, where four transfers from home would expose three."""
+    from jtopoep.costmodel import ExpertDims
+    from jtopoep.planners.problem import CopyProblem, Pricing, Shipped, _home_transfers, paying_pieces
+
+    dims = ExpertDims(d_model=1024, expert_hidden=4096, bytes_per_element=2)
+    pricing = Pricing.make(TOPO, dims, 0.0, True)
+    pairs = int(1.2 * pricing.copy_s[1] / pricing.pair_s)  # a little more GEMM time than one crossing
+    counts = np.zeros((R, 16), np.int32)
+    counts[0, 0] = 4 * pairs
+    counts[0, 1] = int(pricing.copy_s[1] / pricing.pair_fwd_s) + 1  # forward GEMMs that hide one transfer
+    problem = CopyProblem.build(jnp.asarray(counts), jnp.arange(16).reshape(R, 2))
+    args = (jnp.zeros(4, jnp.int32), jnp.arange(4, 8), jnp.full(4, pairs), jnp.ones(4, bool), jnp.zeros(4, bool),
+            problem, Shipped.none(R, 16, 2))
+    kinds = np.asarray(_home_transfers(*args, TOPO.gpus_per_node))
+    np.testing.assert_array_equal(kinds.sum(0), [0, 1, 0, 1])
+    assert np.asarray(paying_pieces(*args, pricing, TOPO.gpus_per_node)).all()
+
+
+def test_rounds_that_stop_early_give_the_same_plans(monkeypatch):
+    """On CPU the rounds stop once no spill is left; a round after that changes nothing, so the
+    plans equal those of the full static count that GPUs run."""
+    from jtopoep.planners import rounds
+
+    early = {name: jitted(name, 8 * R, 2)[1] for name in ("topoep", "taot")}
+    monkeypatch.setattr(rounds, "EARLY_EXIT_PLATFORMS", ())
+    for name, planner in early.items():
+        fixed = jax.jit(lambda c, p=jitted(name, 8 * R, 2)[0]: p(c))
+        for kind in KINDS:
+            for seed in range(3):
+                counts = adversarial(kind, 8 * R, 300 + 97 * seed, seed)
+                for a, b in zip(planner(counts), fixed(counts)):
+                    assert np.array_equal(np.asarray(a), np.asarray(b)), (name, kind, seed)

@@ -96,7 +96,7 @@ class CopyingPlanner(PlannerBase):
 
     def _plan(self, counts, placement, held) -> Plan:
         problem = CopyProblem.build(counts, placement)
-        copies = self._place(problem, placement, Copies.start(problem, self.guest_slots), held)
+        copies = self._place(problem, placement, Copies.start(problem, self.guest_slots, self.gpus_per_node), held)
         slot_expert = jnp.concatenate([placement, copies.guests], axis=1)
         quota = jnp.concatenate([copies.kept[placement], copies.quotas], axis=1)
         return plan_from_quotas(counts, slot_expert, quota,

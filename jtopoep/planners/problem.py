@@ -79,14 +79,18 @@ class Pricing(NamedTuple):
 
 
 class Shipped(NamedTuple):
-    """Per home rank: pairs shed so far and copies shipped, [R, 4] by (weights over NVLink, weights
-    across nodes, gradients over NVLink, gradients across nodes); a held copy ships gradients only."""
+    """Per home rank: pairs shed so far and transfers it makes, [R, 4] by (weights over NVLink,
+    weights across nodes, gradients over NVLink, gradients across nodes); a held copy ships
+    gradients only. Under the fan-out fetch (plan.guest_sources) a home sends an expert across
+    nodes once per node holding copies of it (`reached`), the node's relay the rest."""
     shed: Int[Array, " R"]
     copies: Int[Array, "R 4"]
+    reached: Bool[Array, "E N"]
 
     @classmethod
-    def none(cls, num_ranks: int) -> "Shipped":
-        return cls(jnp.zeros(num_ranks, jnp.int32), jnp.zeros((num_ranks, 4), jnp.int32))
+    def none(cls, num_ranks: int, num_experts: int, num_nodes: int) -> "Shipped":
+        return cls(jnp.zeros(num_ranks, jnp.int32), jnp.zeros((num_ranks, 4), jnp.int32),
+                   jnp.zeros((num_experts, num_nodes), bool))
 
 
 def _exposed(copies, shed, rank_loads, pricing: Pricing):
@@ -96,6 +100,24 @@ def _exposed(copies, shed, rank_loads, pricing: Pricing):
     weights = jnp.maximum(seconds[..., 0], seconds[..., 1])
     grads = jnp.maximum(seconds[..., 2], seconds[..., 3])
     return jnp.maximum(weights - hide, 0.0), jnp.maximum(grads - 2.0 * hide, 0.0)
+
+
+def _home_transfers(expert, dest, amount, new, held, problem: CopyProblem, shipped: Shipped, gpus_per_node: int,
+                    rank=None):
+    """[P, 4] the transfers each copy adds at its home rank (Shipped.copies' columns): over NVLink to
+    its own node; across nodes only for the first copy of its expert on a node not yet reached
+    (first in `rank` order, default index order), the relay serving the others."""
+    num = expert.shape[0]
+    rank = jnp.arange(num, dtype=jnp.int32) if rank is None else rank
+    home = problem.home_rank[jnp.maximum(expert, 0)]
+    node = dest // gpus_per_node
+    across = (home // gpus_per_node) != node
+    ships = (amount > 0) & new
+    key = jnp.maximum(expert, 0) * shipped.reached.shape[1] + node
+    first = jnp.full(shipped.reached.size, num, jnp.int32).at[key].min(jnp.where(ships & across, rank, num))
+    opens = ships & across & (first[key] == rank) & ~shipped.reached.reshape(-1)[key]
+    local = ships & ~across
+    return jnp.stack([local & ~held, opens & ~held, local, opens], 1).astype(jnp.int32)
 
 
 def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[Array, " P"],
@@ -114,11 +136,12 @@ def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[
     num = expert.shape[0]
     home = problem.home_rank[jnp.maximum(expert, 0)]
     across = (home // gpus_per_node) != (dest // gpus_per_node)
-    ships = (amount > 0) & new
-    kinds = jnp.stack([ships & ~held & ~across, ships & ~held & across, ships & ~across, ships & across], 1)
     num_ranks = problem.rank_loads.shape[0]
     order = order_by(jnp.where(amount > 0, home, num_ranks), num_ranks + 1, jnp.maximum(amount, 0))
-    home_s, amount_s, kinds_s = home[order], amount[order], kinds[order].astype(jnp.int32)
+    # Each (expert, node)'s largest copy is the one that crosses; the rank of each copy in that order:
+    position = jnp.zeros(num, jnp.int32).at[order].set(jnp.arange(num, dtype=jnp.int32), unique_indices=True)
+    kinds = _home_transfers(expert, dest, amount, new, held, problem, shipped, gpus_per_node, position)
+    home_s, amount_s, kinds_s = home[order], amount[order], kinds[order]
     starts = segment_starts(home_s)
     shed = segmented_prefix_sum(amount_s, starts) + shipped.shed[home_s]
     copies = jax.vmap(segmented_prefix_sum, (1, None), 1)(kinds_s, starts) + shipped.copies[home_s]
@@ -138,12 +161,14 @@ def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[
 def ship(shipped: Shipped, expert, dest, amount, new, held, problem: CopyProblem, gpus_per_node: int) -> Shipped:
     """Shipped after the copies (expert onto dest taking amount; zero amounts are not made)."""
     home = problem.home_rank[jnp.maximum(expert, 0)]
-    across = (home // gpus_per_node) != (dest // gpus_per_node)
-    ships = (amount > 0) & new
-    kinds = jnp.stack([ships & ~held & ~across, ships & ~held & across, ships & ~across, ships & across], 1)
+    kinds = _home_transfers(expert, dest, amount, new, held, problem, shipped, gpus_per_node)
     num_ranks = shipped.shed.shape[0]
+    made = (amount > 0) & new
+    key = jnp.where(made, jnp.maximum(expert, 0) * shipped.reached.shape[1] + dest // gpus_per_node,
+                    shipped.reached.size)
+    reached = shipped.reached.reshape(-1).at[key].set(True, mode="drop").reshape(shipped.reached.shape)
     return Shipped(shipped.shed + jnp.zeros(num_ranks, jnp.int32).at[home].add(jnp.maximum(amount, 0)),
-                   shipped.copies + jnp.zeros((num_ranks, 4), jnp.int32).at[home].add(kinds.astype(jnp.int32)))
+                   shipped.copies + jnp.zeros((num_ranks, 4), jnp.int32).at[home].add(kinds), reached)
 
 
 def node_link_class(topology: Topology, xp=jnp):

@@ -63,10 +63,10 @@ class Copies(NamedTuple):
     shipped: Shipped
 
     @classmethod
-    def start(cls, problem: CopyProblem, guest_slots: int) -> "Copies":
+    def start(cls, problem: CopyProblem, guest_slots: int, gpus_per_node: int) -> "Copies":
         num_ranks = problem.room.shape[0]
         return cls(jnp.full((num_ranks, guest_slots), -1, jnp.int32), jnp.zeros((num_ranks, guest_slots), jnp.int32),
-                   problem.loads, Shipped.none(num_ranks))
+                   problem.loads, Shipped.none(num_ranks, problem.loads.shape[0], num_ranks // gpus_per_node))
 
     @property
     def used(self) -> Int[Array, " R"]:
@@ -196,14 +196,35 @@ def across_nodes(copies: Copies, problem: CopyProblem, placement, pricing: Prici
     """`rounds` rounds of: top up the room left behind full slots, then what still spills onto the
     nodes with most room, then onto each node's ranks with most room (over-shedding into last slots).
     Each round places what the rounds before left for want of a free slot or of room; one with
-    nothing left to place changes nothing. A loop of identical rounds, so it compiles once."""
+    nothing left to place changes nothing, so the loop may stop once no spill is left
+    (run_rounds). A loop of identical rounds, so it compiles once."""
     slots = copies.guests.shape[1]
 
-    def one_round(_, copies):
+    def one_round(copies):
         copies = place(copies, *top_up(copies, problem, placement), problem, placement, pricing, held, gpus_per_node)
         room = copies.open_room(problem, placement)
         pieces = onto_nodes(copies.spill(problem, placement), room, gpus_per_node, slots)
         proposals = onto_ranks_of_nodes(*pieces, room, gpus_per_node, slots)
         return place(copies, *proposals, problem, placement, pricing, held, gpus_per_node, overshed=True)
 
-    return jax.lax.fori_loop(0, rounds, one_round, carry_like(copies, problem.loads))
+    return run_rounds(one_round, carry_like(copies, problem.loads), lambda c: c.spill(problem, placement).sum() > 0,
+                      rounds)
+
+
+# Platforms where run_rounds stops early. A data-dependent while loop costs nothing on CPU, but
+# XLA:GPU copies its exit test to the host and blocks on the stream after every iteration: a host
+# sync inside the training step. Elsewhere the loop runs its static trip count.
+EARLY_EXIT_PLATFORMS: tuple[str, ...] = ("cpu",)
+
+
+def run_rounds(one_round, carry, busy, rounds: int):
+    """one_round applied `rounds` times, or on EARLY_EXIT_PLATFORMS only while busy(carry): the same
+    result whenever a round applied to a carry that is not busy changes nothing."""
+    def early(c):
+        return jax.lax.while_loop(lambda ic: (ic[0] < rounds) & busy(ic[1]), lambda ic: (ic[0] + 1, one_round(ic[1])),
+                                  (jnp.int32(0), c))[1]
+
+    def fixed(c):
+        return jax.lax.fori_loop(0, rounds, lambda _, c: one_round(c), c)
+
+    return jax.lax.platform_dependent(carry, default=fixed, **{name: early for name in EARLY_EXIT_PLATFORMS})
