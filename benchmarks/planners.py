@@ -1,10 +1,13 @@
-"""Planner quality and latency on h800-4x8: python -m benchmarks.planners [--quick]
+"""Planner quality and latency on h800-4x8: python -m benchmarks.planners [--quick] [--scale ...]
 
 For every load family (real traces and synthetic), E in {64, 256} and K in {1, 2}: imbalance (median
 and worst over micro-batches), gap to the lower bound, inter-node pairs and bytes, weighted
 communication cost relative to eplb, projected MoE-layer time from the cost model; and planning
 latency (jitted, and the host eplb planner with its device copies, timed in interleaved rounds of
 the same run). Writes benchmarks/results/planners.json and planners.md.
+
+--scale runs the scale table instead (benchmarks.scale: R = 8 to 1024 ranks, E = max(256, R), K = 2,
+one pinned core, ratios in one run); the arguments after it go to that benchmark.
 """
 
 from __future__ import annotations
@@ -352,6 +355,11 @@ def markdown(results: dict) -> str:
 
 
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--scale" in argv:
+        from benchmarks import scale
+
+        return scale.main([a for a in argv if a != "--scale"])
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer micro-batches, for a smoke run")
     parser.add_argument("--min-gain", type=float, default=0.0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Int
 
 from jtopoep.ordering import descending_key, key_range, stable_order
 
@@ -19,13 +19,33 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
+# Below this many element-steps a prefix sum runs as cumsums of blocks (a few kernels, each costing
+# the elements times the block length); above it as an associative scan (log2(n) passes, each a few
+# kernels). On XLA:CPU a small planner is a graph of many tiny kernels, and their count sets its time.
+_BLOCKED_LIMIT = 1 << 18
+
+
 def prefix_sum(x, axis: int = 0, xp=jnp):
-    """Inclusive prefix sums along `axis`. XLA:CPU lowers jnp.cumsum to a reduce-window whose cost
-    grows with the square of the axis; an associative scan does log2(n) passes instead and gives
-    the same integers on any backend."""
+    """Inclusive prefix sums along `axis`, the same integers on any backend. XLA:CPU lowers
+    jnp.cumsum to a reduce-window whose cost grows with the square of the axis, so long axes are cut
+    into blocks of about sqrt(n): cumsums within blocks, then over the block totals; large arrays take
+    an associative scan."""
     if xp is np:
         return np.cumsum(x, axis=axis)
-    return jax.lax.associative_scan(jnp.add, x, axis=axis)
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    if n <= 16:
+        return jnp.cumsum(x, axis=axis)
+    block = 1 << ((n - 1).bit_length() + 1) // 2  # a power of two near sqrt(n)
+    if x.size * block > _BLOCKED_LIMIT:
+        return jax.lax.associative_scan(jnp.add, x, axis=axis)
+    blocks = -(-n // block)
+    moved = jnp.moveaxis(x, axis, -1)
+    padded = jnp.pad(moved, [(0, 0)] * (moved.ndim - 1) + [(0, blocks * block - n)])
+    within = jnp.cumsum(padded.reshape(moved.shape[:-1] + (blocks, block)), axis=-1)
+    offset = jnp.cumsum(within[..., -1], axis=-1) - within[..., -1]
+    out = (within + offset[..., None]).reshape(moved.shape[:-1] + (blocks * block,))[..., :n]
+    return jnp.moveaxis(out, -1, axis)
 
 
 def exclusive_prefix_sum(x, axis: int = 0, xp=jnp):
@@ -79,17 +99,13 @@ def order_by(segment: Int[Array, " n"], num_segments: int, largest_first: Int[Ar
     return order[stable_order(segment[order], num_segments)]
 
 
-def segment_starts(segment: Int[Array, " n"]) -> Bool[Array, " n"]:
-    """True at the first entry of each run of equal, sorted segment ids."""
-    return jnp.concatenate([jnp.ones(1, bool), segment[1:] != segment[:-1]])
-
-
-def segmented_prefix_sum(x: Int[Array, " n"], starts: Bool[Array, " n"]) -> Int[Array, " n"]:
-    """Inclusive prefix sums of x that restart where `starts` is True."""
+def segmented_prefix_sum(x: Int[Array, "n *c"], segment: Int[Array, " n"], num_segments: int) -> Int[Array, "n *c"]:
+    """Inclusive prefix sums along axis 0 of x >= 0 that restart at each run of sorted segment ids
+    (in [0, num_segments)): the prefix less its value where the segment starts, the least of the
+    segment's (non-decreasing) exclusive prefixes, found by one scatter-min."""
     total = prefix_sum(x)
-    first = jax.lax.associative_scan(jnp.maximum, jnp.where(starts, jnp.arange(x.shape[0]), 0))
-    return total - (total - x)[first]
-
+    start = jnp.full((num_segments,) + x.shape[1:], jnp.iinfo(jnp.int32).max, jnp.int32).at[segment].min(total - x)
+    return total - start[segment]
 
 def carry_like(state, ref):
     """The loop state with the same device-variance as `ref`: inside shard_map, counts all-gathered

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 from jtopoep.costmodel import ExpertDims, copy_break_even_pairs
 from jtopoep.plan import home_rank_of_experts
-from jtopoep.planners.arrays import ceil_div, order_by, scatter_set, segment_starts, segmented_prefix_sum
+from jtopoep.planners.arrays import ceil_div, order_by, scatter_set, segmented_prefix_sum
 from jtopoep.topology import Topology
 
 
@@ -142,9 +141,9 @@ def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[
     position = jnp.zeros(num, jnp.int32).at[order].set(jnp.arange(num, dtype=jnp.int32), unique_indices=True)
     kinds = _home_transfers(expert, dest, amount, new, held, problem, shipped, gpus_per_node, position)
     home_s, amount_s, kinds_s = home[order], amount[order], kinds[order]
-    starts = segment_starts(home_s)
-    shed = segmented_prefix_sum(amount_s, starts) + shipped.shed[home_s]
-    copies = jax.vmap(segmented_prefix_sum, (1, None), 1)(kinds_s, starts) + shipped.copies[home_s]
+    segment = jnp.where(amount > 0, home, num_ranks)[order]
+    shed = segmented_prefix_sum(jnp.maximum(amount_s, 0), segment, num_ranks + 1) + shipped.shed[home_s]
+    copies = segmented_prefix_sum(kinds_s, segment, num_ranks + 1) + shipped.copies[home_s]
     loads = problem.rank_loads[home_s]
     fwd_max, bwd_max = (x.max() for x in _exposed(shipped.copies, shipped.shed, problem.rank_loads, pricing))
     after = _exposed(copies, shed, loads, pricing)
@@ -154,7 +153,7 @@ def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[
     least = jnp.where(across[order], pricing.least_pairs[1], pricing.least_pairs[0])
     pays = (amount_s > 0) & (gain >= rise) & (amount_s >= least)
     # A home's proposals after one that does not pay are not made either.
-    refused = segmented_prefix_sum((~pays).astype(jnp.int32), starts) > 0
+    refused = segmented_prefix_sum((~pays).astype(jnp.int32), segment, num_ranks + 1) > 0
     return jnp.zeros(num, bool).at[order].set(pays & ~refused, unique_indices=True)
 
 

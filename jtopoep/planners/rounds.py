@@ -18,7 +18,7 @@ from jaxtyping import Array, Int
 
 from jtopoep.ordering import inverse_permutation
 from jtopoep.planners.arrays import (carry_like, exclusive_prefix_sum, order_by, overlap, prefix_sum, scatter_add,
-                                     segment_starts, segmented_prefix_sum)
+                                     segmented_prefix_sum)
 from jtopoep.planners.problem import CopyProblem, Pricing, Shipped, paying_pieces, ship, spill_per_expert
 
 
@@ -45,7 +45,9 @@ def match(item_size: Int[Array, " I"], item_segment: Int[Array, " I"], bin_size:
     item_hi = origin[item_seg] + item_within
     bin_hi = origin[bin_seg] + bin_within
     bin_lo = bin_hi - bin_sorted
-    first = jnp.searchsorted(item_hi, bin_lo, side="right", method="scan_unrolled")  # [B]
+    # Small lines compare every bin with every item in one kernel; long ones take a binary search.
+    method = "compare_all" if item_hi.size * bin_lo.size <= 1 << 16 else "scan_unrolled"
+    first = jnp.searchsorted(item_hi, bin_lo, side="right", method=method)  # [B]
     index = first[:, None] + jnp.arange(width)[None, :]
     safe = jnp.minimum(index, num_items - 1)
     amount = jnp.where(index < num_items, overlap(item_hi[safe] - item_sorted[safe], item_hi[safe],
@@ -90,9 +92,10 @@ class Copies(NamedTuple):
 
 def share_out(expert: Int[Array, " P"], want: Int[Array, " P"], available: Int[Array, " E"]) -> Int[Array, " P"]:
     """What each of P wants of its expert's available pairs, first come first served."""
-    order = order_by(jnp.where(want > 0, expert, available.shape[0]), available.shape[0] + 1)
+    segment = jnp.where(want > 0, expert, available.shape[0])
+    order = order_by(segment, available.shape[0] + 1)
     in_order = want[order]
-    before = segmented_prefix_sum(in_order, segment_starts(expert[order])) - in_order
+    before = segmented_prefix_sum(in_order, segment[order], available.shape[0] + 1) - in_order
     granted = jnp.clip(available[jnp.maximum(expert[order], 0)] - before, 0, in_order)
     return jnp.zeros_like(want).at[order].set(granted, unique_indices=True)
 
