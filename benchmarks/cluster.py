@@ -216,8 +216,10 @@ def step_rows(totals: dict, steps: int, non_moe: float, num_ranks: int) -> dict:
     return rows
 
 
-def planning_latency(path: pathlib.Path) -> dict:
-    """{shape_key(R, E, K): {planner: seconds}} from the planner benchmark's results."""
+def planning_latency(path: pathlib.Path, scale_path: pathlib.Path | None = None) -> dict:
+    """{shape_key(R, E, K): {planner: seconds}} from the planner benchmark's results, and for the
+    shapes it does not time, the scale benchmark's (scale.json: eplb, topoep and taot at K = 2; no
+    eplb_host, whose host planning is then charged nothing, in its favour)."""
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: run python -m benchmarks.planners first (it measures planning "
                                 "latency)")
@@ -225,7 +227,13 @@ def planning_latency(path: pathlib.Path) -> dict:
     if by_shape is None:
         raise KeyError(f"{path} has no latency_by_shape_us (written before planning latency was measured per planner "
                        "shape): rerun python -m benchmarks.planners")
-    return {key: {k: v * 1e-6 for k, v in row.items()} for key, row in by_shape.items()}
+    out = {key: {k: v * 1e-6 for k, v in row.items()} for key, row in by_shape.items()}
+    if scale_path is not None and scale_path.exists():
+        for row in json.loads(scale_path.read_text()):
+            key = shape_key(row["ranks"], row["experts"], 2)
+            if key not in out:
+                out[key] = {k: v for k, v in row["latency_s"].items() if k in ("eplb", "topoep", "taot")}
+    return out
 
 
 def deployment_latency(latency: dict, model: str, num_ranks: int, guest_slots: int) -> dict:
@@ -317,7 +325,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     xla_cpu.configure()  # as the trainer does; the plans are the same either way, only faster to compute
     models = args.model or list(MODELS)
-    latency = planning_latency(RESULTS / "planners.json")
+    latency = planning_latency(RESULTS / "planners.json", RESULTS / "scale.json")
     base_topology = Topology.preset(args.topology)
     mats = {m: model_traces(m, base_topology.num_ranks, args.microbatches, args.trace) for m in models}
     # (label, topology, K, guest copies kept between micro-batches, micro-batches per model, and

@@ -33,6 +33,7 @@ _PRESETS: dict[str, tuple[int, int]] = {
     "h800-4x8": (4, 8),  # 32 GPUs, the scale of the TopoEP paper's experiments
     "h800-2x8": (2, 8),
     "h800-8x8": (8, 8),
+    "h800-32x8": (32, 8),  # 256 GPUs, an expert-parallel group of a DeepSeek-V3-class deployment
     # CPU-emulated meshes keep H800 link figures so that costs and metrics computed on them mean the
     # same thing as on the real cluster; only the shape differs.
     "cpu-1x8": (1, 8),

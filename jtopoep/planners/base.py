@@ -95,7 +95,7 @@ class CopyingPlanner(PlannerBase):
     locality-tiered routing."""
 
     def _plan(self, counts, placement, held) -> Plan:
-        problem = CopyProblem.build(counts, placement)
+        problem = CopyProblem.build(counts, placement, self.gpus_per_node)
         copies = self._place(problem, placement, Copies.start(problem, self.guest_slots, self.gpus_per_node), held)
         slot_expert = jnp.concatenate([placement, copies.guests], axis=1)
         quota = jnp.concatenate([copies.kept[placement], copies.quotas], axis=1)

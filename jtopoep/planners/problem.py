@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Float, Int
 
-from jtopoep.costmodel import ExpertDims, copy_break_even_pairs
+from jtopoep.costmodel import EXCHANGES_PER_LAYER, ExpertDims, copy_break_even_pairs
 from jtopoep.plan import home_rank_of_experts
 from jtopoep.planners.arrays import ceil_div, order_by, scatter_set, segmented_prefix_sum
 from jtopoep.topology import Topology
@@ -43,26 +43,33 @@ class CopyProblem(NamedTuple):
     spill: Int[Array, " E"]  # pairs each expert's home rank must shed to reach the target
     room: Int[Array, " R"]  # pairs each rank can take before it reaches the target
     home_rank: Int[Array, " E"]
+    remote_share: Float[Array, " R"]  # share of each rank's home pairs that come from other nodes
 
     @classmethod
-    def build(cls, counts: Int[Array, "R E"], placement: Int[Array, "R H"]) -> "CopyProblem":
+    def build(cls, counts: Int[Array, "R E"], placement: Int[Array, "R H"], gpus_per_node: int) -> "CopyProblem":
         loads = counts.sum(0)
         num_ranks = counts.shape[0]
         target = ceil_div(loads.sum(), num_ranks)
         rank_loads = loads[placement].sum(1)
+        home_rank = home_rank_of_experts(placement)
+        node = jnp.arange(num_ranks) // gpus_per_node
+        to_home = counts[:, placement].sum(-1)  # [source, home rank]
+        remote = jnp.where(node[:, None] != node[None, :], to_home, 0).sum(0)
+        share = remote.astype(jnp.float32) / jnp.maximum(rank_loads, 1).astype(jnp.float32)
         return cls(loads, rank_loads, target, spill_per_expert(loads, placement, target),
-                   jnp.maximum(target - rank_loads, 0), home_rank_of_experts(placement))
+                   jnp.maximum(target - rank_loads, 0), home_rank, share)
 
 
 class Pricing(NamedTuple):
     """The cost model's rule for whether a copy pays, as static numbers. A copy ships its expert's
     weights out of the home rank and its gradients back; the cost model hides a home's transfers
     behind its home-slot GEMMs (the forward for weights, the backward, twice as long, for
-    gradients) and charges the most exposed rank. A copy pays when the GEMM seconds it takes off
-    the home rank are at least what it adds to those maxima, and it takes at least the min-gain
-    share of the pairs that would pay for its whole transfer on its link class."""
+    gradients) and charges the most exposed rank. A copy pays when the GEMM and scale-out exchange
+    seconds it takes off the home rank are at least what it adds to those maxima, and it takes at
+    least the min-gain share of the pairs that would pay for its whole transfer on its link class."""
     pair_s: float  # forward+backward GEMM seconds of one pair
     pair_fwd_s: float  # forward GEMM seconds of one pair
+    pair_exchange_s: float  # seconds of one pair's token exchanges (forward and backward) across nodes
     copy_s: tuple[float, float]  # seconds to ship one expert over (NVLink, the scale-out link)
     least_pairs: tuple[float, float]  # min-gain pairs over (NVLink, the scale-out link)
 
@@ -74,7 +81,8 @@ class Pricing(NamedTuple):
         rate = topology.flops * topology.mfu
         copy_s = (dims.expert_bytes / topology.intra_bw, dims.expert_bytes / topology.inter_bw) if priced else (0.0, 0.0)
         least = tuple(min_gain * p for p in copy_break_even_pairs(topology, dims))
-        return cls(dims.pair_flops / rate if priced else 0.0, dims.pair_flops / 3.0 / rate, copy_s, least)
+        exchange_s = EXCHANGES_PER_LAYER * dims.pair_bytes / topology.inter_bw if priced else 0.0
+        return cls(dims.pair_flops / rate if priced else 0.0, dims.pair_flops / 3.0 / rate, exchange_s, copy_s, least)
 
 
 class Shipped(NamedTuple):
@@ -127,9 +135,8 @@ def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[
     step's previous micro-batch, so only gradients ship) to make, all decided at once.
 
     Each home rank's proposals are taken largest first while each pays: its GEMM seconds saved at
-    least the rise of the largest exposed transfer (forward and backward, against the maxima the
-    copies already made leave) once it and the larger ones are made. Larger proposals pay first, so
-    a home's accepted ones are a prefix of its list."""
+    least the rise of the largest exposed transfer (forward and backward) once it and the larger ones
+    are made. Larger proposals pay first, so a home's accepted ones are a prefix of its list."""
     if pricing is None:
         return amount > 0
     num = expert.shape[0]
@@ -145,16 +152,28 @@ def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[
     shed = segmented_prefix_sum(jnp.maximum(amount_s, 0), segment, num_ranks + 1) + shipped.shed[home_s]
     copies = segmented_prefix_sum(kinds_s, segment, num_ranks + 1) + shipped.copies[home_s]
     loads = problem.rank_loads[home_s]
-    fwd_max, bwd_max = (x.max() for x in _exposed(shipped.copies, shipped.shed, problem.rank_loads, pricing))
     after = _exposed(copies, shed, loads, pricing)
     before = _exposed(copies - kinds_s, shed - amount_s, loads, pricing)
-    rise = sum(jnp.maximum(a, m) - jnp.maximum(b, m) for a, b, m in zip(after, before, (fwd_max, bwd_max)))
-    gain = amount_s.astype(jnp.float32) * pricing.pair_s
+    # A copy saves the GEMM time of its pairs on the home rank, and the home's scale-out receive of
+    # them (its remote share: the copy is fed by its own node's pairs first), which sets the
+    # exchange term where hot experts' homes receive the most.
+    gain = amount_s.astype(jnp.float32) * (pricing.pair_s + problem.remote_share[home_s] * pricing.pair_exchange_s)
     least = jnp.where(across[order], pricing.least_pairs[1], pricing.least_pairs[0])
-    pays = (amount_s > 0) & (gain >= rise) & (amount_s >= least)
-    # A home's proposals after one that does not pay are not made either.
-    refused = segmented_prefix_sum((~pays).astype(jnp.int32), segment, num_ranks + 1) > 0
-    return jnp.zeros(num, bool).at[order].set(pays & ~refused, unique_indices=True)
+
+    def accepted(floors):
+        rise = sum(jnp.maximum(a, m) - jnp.maximum(b, m) for a, b, m in zip(after, before, floors))
+        pays = (amount_s > 0) & (gain >= rise) & (amount_s >= least)
+        # A home's proposals after one that does not pay are not made either.
+        return pays & ~(segmented_prefix_sum((~pays).astype(jnp.int32), segment, num_ranks + 1) > 0)
+
+    # The cost model charges the most exposed rank. First each home's copies are judged against the
+    # maxima the copies already made leave; then again against the maxima those accepted ones reach
+    # (a copy that stays below the round's largest exposure costs nothing), which only adds copies.
+    floors = tuple(x.max() for x in _exposed(shipped.copies, shipped.shed, problem.rank_loads, pricing))
+    first = accepted(floors)
+    floors = tuple(jnp.maximum(m, jnp.where(first, a, 0.0).max()) for m, a in zip(floors, after))
+    made = accepted(floors)
+    return jnp.zeros(num, bool).at[order].set(made, unique_indices=True)
 
 
 def ship(shipped: Shipped, expert, dest, amount, new, held, problem: CopyProblem, gpus_per_node: int) -> Shipped:

@@ -58,7 +58,11 @@ class TaotPlanner(CopyingPlanner):
             cost = jnp.asarray(self.topology.link_cost()[::gpus, ::gpus])
             flow = sinkhorn(node_spill.astype(jnp.float32), node_room.astype(jnp.float32), cost, self.epsilon,
                             self.iterations).plan
-            flow = jnp.floor(flow).astype(jnp.int32).reshape(-1)  # [N * N], row n: node n's spill to each node
+            flow = jnp.floor(flow).astype(jnp.int32)  # [N, N], row n: node n's spill to each node
+            # The entropic plan spreads every node's spill over all nodes with room; flows below an
+            # average rank's room there would each spend a slot on a sliver. They are left to the
+            # rounds across nodes, which place what the rounding leaves.
+            flow = jnp.where(flow * gpus >= node_room[None, :], flow, 0).reshape(-1)
             source = jnp.repeat(jnp.arange(nodes, dtype=jnp.int32), nodes)
             item, amount = match(spill, home_node, flow, source, nodes, gpus * slots)  # [N * N, G * K]
             dest = jnp.broadcast_to(jnp.tile(jnp.arange(nodes, dtype=jnp.int32), nodes)[:, None], item.shape)
