@@ -124,13 +124,17 @@ def model_traces(model: str, num_ranks: int, steps: int, recorded: str | None) -
                          for m in range(steps)])
         return mats[..., : cfg.num_experts]
     samples = traces.load_esft("intent")
+    # More ranks than traced samples (127): groups of 32 ranks each take one 32-rank micro-batch,
+    # group g the micro-batch g after the step's, so the groups differ where the trace allows.
+    group = min(num_ranks, 32)
     out = []
     for m in range(steps):
         per_layer = []
         for l in range(layers):
-            batches = traces.esft_microbatches(samples, num_ranks, 1 + l % (samples.shape[1] - 1),
+            batches = traces.esft_microbatches(samples, group, 1 + l % (samples.shape[1] - 1),
                                                num_experts=cfg.num_experts)
-            per_layer.append(traces.scale_counts(batches[m % len(batches)], pairs))
+            ranks = np.concatenate([batches[(m + g) % len(batches)] for g in range(num_ranks // group)])
+            per_layer.append(traces.scale_counts(ranks, pairs))
         out.append(np.stack(per_layer))
     return np.stack(out)
 

@@ -45,8 +45,9 @@ def match(item_size: Int[Array, " I"], item_segment: Int[Array, " I"], bin_size:
     item_hi = origin[item_seg] + item_within
     bin_hi = origin[bin_seg] + bin_within
     bin_lo = bin_hi - bin_sorted
-    # Small lines compare every bin with every item in one kernel; long ones take a binary search.
-    method = "compare_all" if item_hi.size * bin_lo.size <= 1 << 16 else "scan_unrolled"
+    # Small lines compare every bin with every item in one kernel; long ones sort the two together (an
+    # unrolled binary search fuses into one deep kernel that LLVM took minutes to compile).
+    method = "compare_all" if item_hi.size * bin_lo.size <= 1 << 16 else "sort"
     first = jnp.searchsorted(item_hi, bin_lo, side="right", method=method)  # [B]
     index = first[:, None] + jnp.arange(width)[None, :]
     safe = jnp.minimum(index, num_items - 1)
