@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from jtopoep.costmodel import EXCHANGES_PER_LAYER, ExpertDims, copy_break_even_pairs
+from jtopoep.ordering import inverse_permutation
 from jtopoep.plan import home_rank_of_experts
 from jtopoep.planners.arrays import ceil_div, order_by, scatter_set, segmented_prefix_sum
 from jtopoep.topology import Topology
@@ -34,14 +35,12 @@ def spill_per_expert(loads, placement, target, xp=jnp):
 
 
 class CopyProblem(NamedTuple):
-    """What a copying planner starts from. Ranks above the target shed their excess (spill, hottest
-    home experts first); ranks below it have room. Spilling experts live on ranks without room,
-    so no copy can land on its own expert's home."""
+    """What a copying planner starts from; rounds.Copies derives each rank's room and each expert's
+    spill from it and the copies made (ranks above the target shed their excess, hottest home
+    experts first, so spilling experts live on ranks without room)."""
     loads: Int[Array, " E"]  # pairs routed to each expert
     rank_loads: Int[Array, " R"]  # pairs of each rank's home experts
     target: Int[Array, ""]  # ceil(sum of loads / R): no plan's busiest rank can take fewer
-    spill: Int[Array, " E"]  # pairs each expert's home rank must shed to reach the target
-    room: Int[Array, " R"]  # pairs each rank can take before it reaches the target
     home_rank: Int[Array, " E"]
     remote_share: Float[Array, " R"]  # share of each rank's home pairs that come from other nodes
 
@@ -56,8 +55,7 @@ class CopyProblem(NamedTuple):
         to_home = counts[:, placement].sum(-1)  # [source, home rank]
         remote = jnp.where(node[:, None] != node[None, :], to_home, 0).sum(0)
         share = remote.astype(jnp.float32) / jnp.maximum(rank_loads, 1).astype(jnp.float32)
-        return cls(loads, rank_loads, target, spill_per_expert(loads, placement, target),
-                   jnp.maximum(target - rank_loads, 0), home_rank, share)
+        return cls(loads, rank_loads, target, home_rank, share)
 
 
 class Pricing(NamedTuple):
@@ -145,7 +143,7 @@ def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[
     num_ranks = problem.rank_loads.shape[0]
     order = order_by(jnp.where(amount > 0, home, num_ranks), num_ranks + 1, jnp.maximum(amount, 0))
     # Each (expert, node)'s largest copy is the one that crosses; the rank of each copy in that order:
-    position = jnp.zeros(num, jnp.int32).at[order].set(jnp.arange(num, dtype=jnp.int32), unique_indices=True)
+    position = inverse_permutation(order)
     kinds = _home_transfers(expert, dest, amount, new, held, problem, shipped, gpus_per_node, position)
     home_s, amount_s, kinds_s = home[order], amount[order], kinds[order]
     segment = jnp.where(amount > 0, home, num_ranks)[order]
@@ -189,10 +187,4 @@ def ship(shipped: Shipped, expert, dest, amount, new, held, problem: CopyProblem
                    shipped.copies + jnp.zeros((num_ranks, 4), jnp.int32).at[home].add(kinds), reached)
 
 
-def node_link_class(topology: Topology, xp=jnp):
-    """[R, R] True where the two ranks are on different nodes."""
-    node = xp.arange(topology.num_ranks) // topology.gpus_per_node
-    return node[:, None] != node[None, :]
-
-
-__all__ = ["CopyProblem", "Pricing", "Shipped", "node_link_class", "paying_pieces", "ship", "spill_per_expert"]
+__all__ = ["CopyProblem", "Pricing", "Shipped", "paying_pieces", "ship", "spill_per_expert"]

@@ -67,7 +67,7 @@ class Copies(NamedTuple):
 
     @classmethod
     def start(cls, problem: CopyProblem, guest_slots: int, gpus_per_node: int) -> "Copies":
-        num_ranks = problem.room.shape[0]
+        num_ranks = problem.rank_loads.shape[0]
         return cls(jnp.full((num_ranks, guest_slots), -1, jnp.int32), jnp.zeros((num_ranks, guest_slots), jnp.int32),
                    problem.loads, Shipped.none(num_ranks, problem.loads.shape[0], num_ranks // gpus_per_node))
 
