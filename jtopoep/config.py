@@ -25,6 +25,7 @@ CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
 PLANNERS = ("none", "eplb", "topoep", "taot")
 TRANSPORTS = ("auto", "ragged", "dense")
+OVERFLOW = ("drop", "error")
 SCORE_FNS = ("softmax", "sigmoid")
 DTYPES = {"float32": 4, "bfloat16": 2}  # compute dtypes and their bytes per element
 DATA_SOURCES = ("stdlib", "path", "synthetic")
@@ -134,15 +135,24 @@ class MoEConfig:
     planner: str = "topoep"  # one of PLANNERS
     guest_slots: int = 2  # K, guest expert slots per rank
     transport: str = "auto"  # "ragged" on GPU/TPU, "dense" emulation anywhere
-    hierarchical: bool = False  # two-stage exchange: across nodes, then within the node
+    # Token dispatch in two stages: each token crosses once to every node it is routed to (to the GPU
+    # with the sender's local index), which fans it out over NVLink; and the guest weights cross
+    # nodes once per node. "auto": on when the topology has more than one node. false: every pair
+    # straight to its rank.
+    hierarchical: bool | str = "auto"
     # A copy must save >= min_gain x its weight-transfer time; 0 (the default, from the planner
     # benchmark's sweep) turns the test off: transfers mostly hide behind home GEMMs.
     min_gain: float = 0.0
     price_transfers: bool = True  # refuse copies exposing more transfer time than GEMM time they save
-    # Receive buffer of each rank, in multiples of its own pairs (T * k); the grouped GEMM runs over
-    # all of it. 0: R * T * k, room for every pair of every source, never cut. A step whose plan sends a
-    # rank more stops training with an error (jtopoep.dispatch).
+    # Receive buffer of each rank (and of each relay of the hierarchical dispatch), in multiples of
+    # its own pairs (T * k); the grouped GEMM runs over all of it. 0: room for every pair of every
+    # source, never cut. A plan that sends a rank more has its last pairs cut (moe.on_overflow).
     recv_capacity_factor: float = 0.0
+    # Pairs that do not fit a receive buffer: "drop" them (Switch-style: the token keeps its residual;
+    # counted per layer in metrics.jsonl, with a warning past overflow_warn_fraction of the step's
+    # pairs), or stop training with an "error".
+    on_overflow: str = "drop"
+    overflow_warn_fraction: float = 0.001  # share of a layer's pairs dropped in a step that warns
     # With train.microbatches > 1: a guest copy a rank already holds from the step's previous
     # micro-batch is kept, not fetched again (the weights have not changed). Saves forward weight
     # transfers and no maths (jtopoep.guests), and the planners price such a copy's gradients
@@ -167,11 +177,20 @@ class MoEConfig:
         _choice("moe", self, "planner", PLANNERS)
         _choice("moe", self, "transport", TRANSPORTS)
         _choice("moe", self, "score_fn", SCORE_FNS)
+        _choice("moe", self, "on_overflow", OVERFLOW)
+        _require(self.hierarchical in (True, False, "auto"), "moe.hierarchical", self.hierarchical,
+                 "true, false or 'auto' (on when the topology has more than one node)")
+        _require(0 <= self.overflow_warn_fraction <= 1, "moe.overflow_warn_fraction", self.overflow_warn_fraction,
+                 "a value in [0, 1]")
         _non_negative("moe", self, "guest_slots", "min_gain", "aux_loss_coef", "z_loss_coef",
                       "bias_update_rate")
         _positive("moe", self, "sinkhorn_epsilon", "sinkhorn_iters", "guest_weight_chunks")
         _require(self.recv_capacity_factor == 0 or self.recv_capacity_factor >= 1, "moe.recv_capacity_factor",
                  self.recv_capacity_factor, "0 (room for every pair) or a value >= 1 (a rank's own pairs)")
+
+    def uses_relays(self, topology: Topology) -> bool:
+        """Whether the hierarchical dispatch is on for this topology (moe.hierarchical)."""
+        return topology.num_nodes > 1 if self.hierarchical == "auto" else self.hierarchical
 
     @property
     def planned_guest_slots(self) -> int:

@@ -54,7 +54,7 @@ def markdown() -> str:
         comments = field_comments(cls)
         out += [f"## `{section}`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
         for field in dataclasses.fields(cls):
-            kind = field.type if isinstance(field.type, str) else field.type.__name__
+            kind = (field.type if isinstance(field.type, str) else field.type.__name__).replace("|", "or")
             meaning = comments.get(field.name, "").replace("|", "\\|")
             out.append(f"| `{field.name}` | {kind} | {_default(field)} | {meaning} |")
         out.append("")

@@ -46,6 +46,7 @@ from jtopoep.plan import Plan, home_plan
 from jtopoep.planners.base import PlannerBase
 from jtopoep.planners.none import NonePlanner
 from jtopoep.ordering import inverse_permutation, stable_order
+from jtopoep.relay import fit_relays, node_rows, relay_dispatch, relay_worst_rows
 from jtopoep.transport import exchange, exclusive_cumsum, regroup
 
 
@@ -53,6 +54,9 @@ class DispatchStats(NamedTuple):
     counts: Int[Array, "R E"]  # all-gathered routing counts of this layer
     plan: Plan  # the planner's plan, before any cut to the receive buffer
     dropped: Int[Array, ""]  # pairs the receive buffers could not take (0: the layer is exact)
+    # Token rows that crossed nodes, every rank's summed: one per (token, node) reached with the
+    # deduplicated hierarchical dispatch, one per pair without.
+    scaleout_rows: Int[Array, ""]
     # This rank's guest copies after the layer, for the next micro-batch of the same optimizer step
     # (moe_dispatch's `previous`); None when the plan has no guest slots.
     guests: GuestCopies | None = None
@@ -190,21 +194,19 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
     recv_rows = worst if recv_rows is None else recv_rows
     if not 1 <= recv_rows <= worst:
         raise ValueError(f"recv_rows = {recv_rows} must be in [1, R * T * k = {worst}]")
-    partial = recv_rows < worst
-    route = fit_route(plan.route, recv_rows) if partial else plan.route
+    relay = hierarchical and topology.num_nodes > 1
+    relay_worst = relay_worst_rows(topology.num_nodes, num_pairs)
+    relay_rows = min(recv_rows, relay_worst)
+    partial = recv_rows < worst or (relay and relay_rows < relay_worst)
+    route = fit_route(plan.route, recv_rows) if recv_rows < worst else plan.route
+    if relay and relay_rows < relay_worst:
+        route = fit_relays(route, relay_rows, gpus)
     dropped = plan.route.sum() - route.sum() if partial else jnp.zeros((), plan.route.dtype)
 
     with jax.named_scope("permute"):
         dest = assign_slots(flat_ids, local_counts, Plan(plan.slot_expert, route), me, partial)
-        send_order = stable_order(dest, num_ranks * num_slots + int(partial))
-        tokens = x[send_order // top_k]
-        sizes = route.sum(2)  # [s, d]
-
-    with jax.named_scope("dispatch"):
-        received = exchange(tokens, sizes, out_rows=recv_rows, **move)
-        my_route = jax.lax.dynamic_index_in_dim(route, me, 1, keepdims=False)  # [s, S]
-        by_slot = regroup(received, my_route)
-        group_sizes = my_route.sum(0)
+    my_route = jax.lax.dynamic_index_in_dim(route, me, 1, keepdims=False)  # [s, S]
+    group_sizes = my_route.sum(0)
 
     guest, copies = None, None
     if num_slots > home:
@@ -213,11 +215,35 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
                                         chunks=weight_chunks,
                                         **{k: move[k] for k in ("gpus_per_node", "backend", "hierarchical")})
         copies = GuestCopies(plan.slot_expert[:, home:], join_hidden(guest))
-    out = expert_ffn(by_slot, weights, guest, group_sizes)
+
+    def experts(rows):
+        return expert_ffn(rows, weights, guest, group_sizes)
+
+    if relay:
+        with jax.named_scope("relay_dispatch"):
+            dest = dest.reshape(num_tokens, top_k)
+            rows = jax.lax.all_gather(node_rows(dest, num_slots, topology.num_nodes, gpus), axes)  # [R, N]
+            y = relay_dispatch(x, gates, dest, route, rows, experts, gpus_per_node=gpus, relay_rows=relay_rows,
+                               recv_rows=recv_rows, backend=move["backend"], axes=axes)
+        own_node = jnp.arange(num_ranks) // gpus
+        scaleout = jnp.where(own_node[:, None] != jnp.arange(topology.num_nodes)[None, :], rows, 0).sum()
+        return y, DispatchStats(counts, plan, dropped, scaleout, copies)
+
+    with jax.named_scope("permute"):
+        send_order = stable_order(dest, num_ranks * num_slots + int(partial))
+        tokens = x[send_order // top_k]
+        sizes = route.sum(2)  # [s, d]
+
+    with jax.named_scope("dispatch"):
+        received = exchange(tokens, sizes, out_rows=recv_rows, **move)
+        by_slot = regroup(received, my_route)
+    out = experts(by_slot)
 
     with jax.named_scope("combine"):
         back = regroup(out, my_route.T)
         returned = exchange(back, sizes.T, out_rows=num_pairs, capacity=num_pairs, **move)
         per_pair = returned[inverse_permutation(send_order)].reshape(num_tokens, top_k, -1)
         y = jnp.einsum("tkd,tk->td", per_pair, gates.astype(per_pair.dtype))
-    return y, DispatchStats(counts, plan, dropped, copies)
+    node_of = jnp.arange(num_ranks) // gpus
+    scaleout = jnp.where(node_of[:, None] != node_of[None, :], sizes, 0).sum()
+    return y, DispatchStats(counts, plan, dropped, scaleout, copies)

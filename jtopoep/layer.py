@@ -118,7 +118,7 @@ class MoELayer(nnx.Module):
                 routed = route(logits, self.top_k, moe.score_fn, moe.normalize_topk, bias)
             y, stats = moe_dispatch(tokens, routed.expert_ids, routed.gates.astype(x.dtype),
                                     ExpertWeights(w_gate, w_up, w_down), placement, self.planner,
-                                    backend=moe.transport, hierarchical=moe.hierarchical,
+                                    backend=moe.transport, hierarchical=moe.uses_relays(self.topology),
                                     recv_rows=self.recv_rows(tokens.shape[0]), previous=previous,
                                     weight_chunks=moe.guest_weight_chunks)
             fingerprint = plan_fingerprint(stats.plan)
@@ -142,6 +142,7 @@ class MoELayer(nnx.Module):
                 "inter_node_pairs": inter_node_pairs(stats.plan, self.topology.gpus_per_node),
                 "counts": stats.counts,
                 "dropped_pairs": stats.dropped,
+                "scaleout_rows": stats.scaleout_rows,
             }
             guests = stats.plan.slot_expert[:, placement.shape[1]:]
             per_device["guest_copies"] = (guests >= 0).sum(dtype=jnp.int32)

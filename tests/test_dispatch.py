@@ -10,7 +10,7 @@ from jax.extend.core import Var
 from jax.sharding import PartitionSpec as P
 
 from jtopoep.dispatch import ExpertWeights, assign_slots, expert_ffn, moe_dispatch
-from jtopoep.guests import hidden_slice
+from jtopoep.guests import GuestCopies, hidden_slice
 from jtopoep.plan import check_plan, contiguous_placement
 from jtopoep.planners import get_planner
 from jtopoep.topology import Topology, make_mesh
@@ -56,7 +56,7 @@ def layer(preset, planner_name, hierarchical, recv_rows=None, guest_slots=2):
     def body(x, ids, gates, wg, wu, wd):
         y, stats = moe_dispatch(x, ids, gates, ExpertWeights(wg, wu, wd), placement, planner, backend="dense",
                                 hierarchical=hierarchical, recv_rows=recv_rows)
-        return y, jax.tree.map(lambda a: a[None], (stats.plan, stats.dropped))
+        return y, jax.tree.map(lambda a: a[None], (stats.plan, stats.dropped, stats.scaleout_rows))
 
     fn = jax.shard_map(body, mesh=make_mesh(topo), in_specs=(SPEC,) * 6, out_specs=(SPEC, SPEC))
 
@@ -86,7 +86,7 @@ CASES += [("cpu-1x8", "topoep", False, 2 * T * K_TOP), ("cpu-4x2", "topoep", Tru
 def test_layer_matches_dense_loop(devices, preset, planner_name, hierarchical, recv_rows):
     x, ids, gates, w = make_inputs()
     forward, grads = layer(preset, planner_name, hierarchical, recv_rows)
-    y, (plans, dropped) = forward(x, ids, gates, *w)
+    y, (plans, dropped, _) = forward(x, ids, gates, *w)
     assert (np.asarray(dropped) == 0).all()
     np.testing.assert_allclose(np.asarray(y), np.asarray(reference(x, ids, gates, w)), atol=ATOL, rtol=0)
     plan = jax.tree.map(lambda a: np.asarray(a)[0], plans)
@@ -187,16 +187,18 @@ def test_bfloat16_layer_moves_bfloat16_and_routes_like_float32(devices):
     assert not any("f32>" in types for types in exchanges), exchanges
 
 
-def test_receive_buffer_too_small_cuts_the_last_pairs_and_counts_them(devices):
+@pytest.mark.parametrize("preset,hierarchical", [("cpu-2x4", False), ("cpu-2x4", True), ("cpu-4x2", True)])
+def test_receive_buffer_too_small_cuts_the_last_pairs_and_counts_them(devices, preset, hierarchical):
     """recv_rows below a rank's planned load (here the `none` plan of two hot experts): each
-    destination keeps its first recv_rows rows in (source, slot) order; a source's pairs of an
-    expert fill that expert's slots in order, so the pairs cut are the last ones of each expert.
-    They contribute nothing, every other pair exactly what the dense loop gives, and `dropped`
-    counts them on every rank."""
+    destination keeps its first recv_rows rows in (source, slot) order, and with the relay dispatch
+    each relay then its first recv_rows pairs in (source node, destination gpu, slot) order; a
+    source's pairs of an expert fill that expert's slots in order, so the pairs cut are the last ones
+    of each expert. They contribute nothing, every other pair exactly what the dense loop gives, and
+    `dropped` counts them on every rank."""
     recv_rows = T * K_TOP  # a rank's own pairs; the hot experts' homes get more
     x, ids, gates, w = make_inputs()
-    forward, _ = layer("cpu-2x4", "none", False, recv_rows)
-    y, (plans, dropped) = forward(x, ids, gates, *w)
+    forward, _ = layer(preset, "none", hierarchical, recv_rows)
+    y, (plans, dropped, _) = forward(x, ids, gates, *w)
     route = np.asarray(plans.route)[0]  # [s, d, S]
     slot_expert = np.asarray(plans.slot_expert)[0]
     num_slots = slot_expert.shape[1]
@@ -208,6 +210,16 @@ def test_receive_buffer_too_small_cuts_the_last_pairs_and_counts_them(devices):
             for j in range(num_slots):
                 kept[s, d, j] = min(route[s, d, j], room)
                 room -= kept[s, d, j]
+    if hierarchical:  # then what each relay (n, g) forwards from sources (n', g) to ranks (n, g')
+        gpus = Topology.preset(preset).gpus_per_node
+        for n in range(R // gpus):
+            for g in range(gpus):
+                room = recv_rows
+                for s in range(g, R, gpus):
+                    for d in range(n * gpus, (n + 1) * gpus):
+                        for j in range(num_slots):
+                            kept[s, d, j] = min(kept[s, d, j], room)
+                            room -= kept[s, d, j]
     expected_dropped = route.sum() - kept.sum()
     assert expected_dropped > 0, "the test load must overflow some receive buffer"
     np.testing.assert_array_equal(np.asarray(dropped), expected_dropped)
@@ -222,6 +234,64 @@ def test_receive_buffer_too_small_cuts_the_last_pairs_and_counts_them(devices):
     assert (~live).sum() == expected_dropped
     want = reference(x, ids, np.where(live, gates, 0.0), w)
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), atol=ATOL, rtol=0)
+
+
+@functools.lru_cache(maxsize=None)
+def layer_keeping(hierarchical, chunks):
+    """(first, loss_and_grads): the topoep layer on one micro-batch, returning the guest copies it
+    holds after it; and value_and_grad of the loss on the next micro-batch given those copies."""
+    topo = Topology.preset("cpu-2x4")
+    planner = get_planner("topoep", topology=topo, num_experts=E, guest_slots=2)
+    placement = contiguous_placement(R, E)
+    run = functools.partial(moe_dispatch, placement=placement, planner=planner, backend="dense",
+                            hierarchical=hierarchical, weight_chunks=chunks)
+
+    def first(x, ids, gates, wg, wu, wd):
+        _, stats = run(x, ids, gates, ExpertWeights(wg, wu, wd))
+        return stats.guests.experts[None], stats.guests.weights
+
+    def second(x, ids, gates, wg, wu, wd, held, hg, hu, hd):
+        y, _ = run(x, ids, gates, ExpertWeights(wg, wu, wd), previous=GuestCopies(held[0], ExpertWeights(hg, hu, hd)))
+        return jax.lax.psum((jnp.sin(y) * y).sum(), ("node", "gpu"))
+
+    mesh = make_mesh(topo)
+    first = jax.shard_map(first, mesh=mesh, in_specs=(SPEC,) * 6, out_specs=(SPEC, SPEC))
+    second = jax.shard_map(second, mesh=mesh, in_specs=(SPEC,) * 10, out_specs=P())
+    return jax.jit(first), jax.jit(jax.value_and_grad(
+        lambda x, gates, w, ids, held: second(x, ids, gates, *w, held[0], *held[1]), argnums=(0, 1, 2)))
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_layer_with_held_copies_and_guest_slices_matches_dense_loop(devices, hierarchical):
+    """A second micro-batch that keeps the first one's copies (weights in F slices, one hidden unit
+    each) gives the dense loop's values and gradients, flat and through the relays."""
+    first, loss_and_grads = layer_keeping(hierarchical, F)
+    x, ids, gates, w = make_inputs(seed=0)
+    held = first(x, ids, gates, *w)
+    assert (np.asarray(held[0]) >= 0).any()
+    x, ids, gates, _ = make_inputs(seed=5)
+    value, grad = loss_and_grads(x, gates, w, ids, held)
+    want_value, want = jax.value_and_grad(ref_loss, argnums=(0, 1, 2))(x, gates, w, ids)
+    np.testing.assert_allclose(float(value), float(want_value), atol=ATOL * 10, rtol=1e-6)
+    for got, exp in zip(jax.tree.leaves(grad), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(exp), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("preset", ["cpu-2x4", "cpu-4x2"])
+def test_relay_dispatch_sends_each_token_once_per_node(devices, preset):
+    """With the `none` plan a pair goes to its expert's home node: flat, every pair bound for another
+    node crosses; with the relay dispatch, each token crosses once per other node it reaches."""
+    x, ids, gates, w = make_inputs(seed=3)
+    gpus = Topology.preset(preset).gpus_per_node
+    home_node = np.arange(E) // (E // R) // gpus
+    own_node = np.arange(R * T) // T // gpus
+    pairs = (home_node[ids] != own_node[:, None]).sum()
+    rows = sum(len(set(home_node[ids[t]]) - {own_node[t]}) for t in range(R * T))
+    assert rows < pairs, "the load must send some token to one node twice"
+    for hierarchical, want in ((False, pairs), (True, rows)):
+        y, (_, _, scaleout) = layer(preset, "none", hierarchical)[0](x, ids, gates, *w)
+        np.testing.assert_array_equal(np.asarray(scaleout), want)
+        np.testing.assert_allclose(np.asarray(y), np.asarray(reference(x, ids, gates, w)), atol=ATOL, rtol=0)
 
 
 # expert_ffn on its own: H home and G guest slots over a buffer with rows to spare past the groups.

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jtopoep.config import TopologyConfig, config_from_dict
 from jtopoep.traces import load_recorded
-from train.loop import NonFiniteLossError, ReceiveCapacityError, Trainer
+from train.loop import NonFiniteLossError, OverflowWarning, ReceiveCapacityError, Trainer
 
 
 def tiny(tmp_path, name, planner="topoep", steps=4, moe=None, **train):
@@ -106,17 +106,32 @@ def test_non_finite_loss_fails_fast(devices, tmp_path):
     assert Trainer(tiny(tmp_path, "nan")).checkpointer.latest_step() == 2
 
 
-def test_receive_buffer_overflow_stops_the_run(devices, tmp_path):
-    """A step whose plan overflowed a receive buffer (jtopoep.dispatch counts the pairs cut; the
-    dispatch tests cover that count) stops the run with an error naming the layer and the knob,
-    before anything of that step is saved."""
-    trainer = Trainer(tiny(tmp_path, "cap"))
+def test_receive_buffer_overflow_stops_the_run_when_asked(devices, tmp_path):
+    """With moe.on_overflow: error, a step whose plan overflowed a receive buffer (jtopoep.dispatch
+    counts the pairs cut; the dispatch tests cover that count) stops the run with an error naming the
+    layer and the knob, before anything of that step is saved."""
+    trainer = Trainer(tiny(tmp_path, "cap", moe={"on_overflow": "error"}))
     poison_step(trainer, 3, lambda out: {**out, "dropped_pairs": out["dropped_pairs"].at[0, 1].set(7)})
     with pytest.raises(ReceiveCapacityError, match=r"step 3: MoE layer 1 .*\(7 pairs did not fit; "
                                                    r"moe\.recv_capacity_factor = 0\.0\).*last good checkpoint: step 2"):
         trainer.run()
     trainer.checkpointer.close()
-    assert Trainer(tiny(tmp_path, "cap")).checkpointer.latest_step() == 2
+    assert Trainer(tiny(tmp_path, "cap", moe={"on_overflow": "error"})).checkpointer.latest_step() == 2
+
+
+def test_dropped_pairs_are_logged_per_layer_and_warn_past_the_threshold(devices, tmp_path):
+    """moe.on_overflow: drop (the default) trains on; metrics.jsonl has the pairs dropped per layer,
+    and a step dropping more than moe.overflow_warn_fraction of a layer's pairs warns, naming it."""
+    trainer = Trainer(tiny(tmp_path, "drop", moe={"overflow_warn_fraction": 0.01}))
+    pairs = 16 * 12 * 2  # batch x sequence x top_k: 1% is 3.84 pairs
+    poison_step(trainer, 2, lambda out: {**out, "dropped_pairs": out["dropped_pairs"].at[0, 0].set(3)})
+    poison_step(trainer, 3, lambda out: {**out, "dropped_pairs": out["dropped_pairs"].at[0, 1].set(7)})
+    with pytest.warns(OverflowWarning, match=r"step 3: MoE layer 1 .*\(7 pairs did not fit.*1\.82% of its pairs") as seen:
+        trainer.run()
+    assert len(seen) == 1 and 7 / pairs > 0.01 > 3 / pairs
+    rows = [json.loads(line) for line in (tmp_path / "drop" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["dropped_pairs"] for r in rows] == [[0, 0], [3, 0], [0, 7], [0, 0]]
+    assert all(len(r["scaleout_rows"]) == 2 for r in rows)
 
 
 def cross_entropies(run_dir):

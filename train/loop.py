@@ -13,6 +13,7 @@ import io
 import json
 import pathlib
 import time
+import warnings
 from typing import Callable
 
 import jax
@@ -46,7 +47,12 @@ class PlanMismatchError(RuntimeError):
 
 
 class ReceiveCapacityError(RuntimeError):
-    """A plan sent some rank more pairs than its receive buffer holds (moe.recv_capacity_factor)."""
+    """A plan sent some rank more pairs than its receive buffer holds (moe.recv_capacity_factor), and
+    moe.on_overflow is "error"."""
+
+
+class OverflowWarning(UserWarning):
+    """A step dropped more pairs than moe.overflow_warn_fraction of a layer's pairs."""
 
 
 def make_optimizer(config: RunConfig) -> optax.GradientTransformation:
@@ -158,7 +164,7 @@ def make_train_step(moe: MoEConfig, mesh):
             for layer, layer_stats in zip(model.moe_layers(), stats):
                 layer.bias.set_value(bias_update(layer.bias.get_value(), layer_stats["counts"].sum(0),
                                                  moe.bias_update_rate))
-        per_layer = ("imbalance_before", "imbalance_after", "inter_node_pairs", "counts", "dropped_pairs",
+        per_layer = ("imbalance_before", "imbalance_after", "inter_node_pairs", "scaleout_rows", "counts", "dropped_pairs",
                      "guest_copies", "kept_copies", "nonfinite_router", "nonfinite_output", "plans_differ")
         summary = {"loss": loss, "ce": ce, **{k: jnp.stack([s[k] for s in stats], axis=1) for k in per_layer}}
         summary["grads_finite"] = jnp.all(jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
@@ -242,10 +248,10 @@ class Trainer:
     def evaluate(self) -> float:
         results = jax.device_get([self.eval_step(self.model, self._device_batch(i, "eval"))
                                   for i in range(self.config.train.eval_batches)])
-        if any(dropped for _, dropped in results):
+        if self.config.moe.on_overflow == "error" and any(dropped for _, dropped in results):
             raise ReceiveCapacityError(f"evaluation: a plan sent some rank more pairs than its receive buffer holds "
                                        f"(moe.recv_capacity_factor = {self.config.moe.recv_capacity_factor}); "
-                                       f"raise it, or set it to 0 for room for every pair")
+                                       f"raise it, set it to 0 for room for every pair, or set moe.on_overflow: drop")
         return float(np.mean([ce for ce, _ in results]))
 
     def _resume(self) -> int:
@@ -293,14 +299,22 @@ class Trainer:
                                     f"different plans (their fingerprints differ), so their exchanges would not "
                                     f"match; {good}")
         dropped = np.asarray(summary["dropped_pairs"]).sum(0)  # per layer, over the micro-batches
-        if dropped.any():
+        if not dropped.any():
+            return
+        layer = int(np.argmax(dropped))
+        moe = self.config.moe
+        what = (f"MoE layer {layer} planned more pairs for some rank than its receive buffer holds "
+                f"({int(dropped[layer])} pairs did not fit; moe.recv_capacity_factor = {moe.recv_capacity_factor})")
+        if moe.on_overflow == "error":
             # Pairs that did not fit a receive buffer were not computed: refuse the step.
-            layer = int(np.flatnonzero(dropped)[0])
-            raise ReceiveCapacityError(
-                f"step {step}: MoE layer {layer} planned more pairs for some rank than its receive buffer "
-                f"holds ({int(dropped[layer])} pairs did not fit; moe.recv_capacity_factor = "
-                f"{self.config.moe.recv_capacity_factor}); raise moe.recv_capacity_factor, or set it to 0 "
-                f"for room for every pair; {good}")
+            raise ReceiveCapacityError(f"step {step}: {what}; raise moe.recv_capacity_factor, set it to 0 for "
+                                       f"room for every pair, or set moe.on_overflow: drop; {good}")
+        m = self.config.model
+        pairs = self.config.train.batch_size * m.seq_len * m.top_k // self.config.topology.data_parallel
+        if dropped[layer] > moe.overflow_warn_fraction * pairs:
+            warnings.warn(f"step {step}: {what}, {dropped[layer] / pairs:.2%} of its pairs, more than "
+                          f"moe.overflow_warn_fraction = {moe.overflow_warn_fraction}; they added nothing to their "
+                          f"tokens", OverflowWarning, stacklevel=2)
 
     def _step(self, step: int) -> dict:
         """Train one step, check it, and return its metrics row."""
@@ -318,6 +332,10 @@ class Trainer:
                "imbalance_before": np.asarray(summary["imbalance_before"]).mean(0).round(4).tolist(),
                "imbalance_after": np.asarray(summary["imbalance_after"]).mean(0).round(4).tolist(),
                "inter_node_pairs": np.asarray(summary["inter_node_pairs"]).sum(0).tolist(),
+               # Token rows that crossed nodes (one per token and node reached with moe.hierarchical),
+               # and pairs dropped for want of receive-buffer room (moe.on_overflow).
+               "scaleout_rows": np.asarray(summary["scaleout_rows"]).sum(0).tolist(),
+               "dropped_pairs": np.asarray(summary["dropped_pairs"]).sum(0).tolist(),
                # Guest copies made, and those kept from the step's previous micro-batch (not fetched).
                "guest_copies": np.asarray(summary["guest_copies"]).sum(0).tolist(),
                "kept_copies": np.asarray(summary["kept_copies"]).sum(0).tolist()}

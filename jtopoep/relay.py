@@ -1,0 +1,157 @@
+"""Deduplicated two-stage token dispatch: each token crosses to each destination node once.
+
+A token's k experts often sit on fewer than k nodes, and the scale-out link is the slow one. So,
+inside shard_map over ("node", "gpu"), for this rank (node m, gpu g) and its T tokens:
+
+    stage 1 (scale-out, rail-aligned)  each token goes once to every node n holding a slot one of its
+             pairs is routed to, to the relay (n, g): the GPU with this rank's local index. With the
+             row travel its k gates and, per pair, the local slot g' * S + j it goes to on n (-1 when
+             the pair goes elsewhere), so the relay can expand it.
+    stage 2 (scale-up)  the relay expands each row into its pairs and sends them over NVLink to their
+             ranks, ordered (destination gpu, source node, slot): a destination receives, from every
+             source, route[s, d, j] rows for each of its slots, as the flat exchange delivers them.
+    combine  mirrors both: the relay sums the gate-weighted outputs of a token's pairs on its node and
+             sends one row back; the source sums a token's rows, one per node.
+
+Stage-1 sizes are not in the plan (they count distinct (token, node) rows): one all-gather of an
+[R, N] count, beside the routing counts, gives them to every rank. Stage-2 sizes are the plan's own.
+
+Sums are in float32 in a fixed order (choice by choice), so the result is bitwise deterministic. The
+backward pass is JAX's transpose of the same gathers and exchanges. Buffers: the relay's stage-1 and
+stage-2 buffers hold relay_rows rows each, the destination's recv_rows; `fit_relays` cuts a route so a
+relay never forwards more pairs than relay_rows (a relay then never receives more stage-1 rows).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jtopoep.ordering import inverse_permutation, stable_order
+from jtopoep.transport import _stage, exclusive_cumsum, regroup
+
+
+def relay_pairs(route: Int[Array, "R R S"], gpus_per_node: int) -> Int[Array, "N G N G S"]:
+    """route as [relay node n, relay gpu g, source node n', destination gpu g', slot j]: the pairs relay
+    (n, g) forwards from source (n', g) to rank (n, g')."""
+    num_ranks, _, num_slots = route.shape
+    nodes = num_ranks // gpus_per_node
+    grid = route.reshape(nodes, gpus_per_node, nodes, gpus_per_node, num_slots)  # [n', g, n, g', j]
+    return grid.transpose(2, 1, 0, 3, 4)
+
+
+def fit_relays(route: Int[Array, "R R S"], relay_rows: int, gpus_per_node: int) -> Int[Array, "R R S"]:
+    """The route with each relay's pairs cut to relay_rows, in (source node, destination gpu, slot)
+    order: the order in which it forwards them."""
+    num_ranks, _, num_slots = route.shape
+    nodes = num_ranks // gpus_per_node
+    by_relay = relay_pairs(route, gpus_per_node)
+    flat = by_relay.reshape(num_ranks, -1)
+    kept = jnp.clip(relay_rows - exclusive_cumsum(flat, axis=1), 0, flat)
+    return kept.reshape(by_relay.shape).transpose(2, 1, 0, 3, 4).reshape(num_ranks, num_ranks, num_slots)
+
+
+def relay_worst_rows(num_nodes: int, pairs_per_rank: int) -> int:
+    """The most pairs one relay can forward: every source of its rail sends all its pairs to its node."""
+    return num_nodes * pairs_per_rank
+
+
+def _first_of_node(dest_node: Int[Array, "T k"], num_nodes: int) -> Array:
+    """[T, k] bool: the choice is routed (node < N) and is the token's first choice on its node."""
+    top_k = dest_node.shape[1]
+    same = dest_node[:, :, None] == dest_node[:, None, :]  # [T, i, i']
+    earlier = jnp.tril(jnp.ones((top_k, top_k), bool), -1)  # i' < i
+    return (dest_node < num_nodes) & ~(same & earlier).any(-1)
+
+
+def node_rows(dest: Int[Array, "T k"], num_slots: int, num_nodes: int, gpus_per_node: int) -> Int[Array, " N"]:
+    """Distinct (token, node) rows this source sends each node: the stage-1 sizes (dest: each pair's
+    flat destination slot d * S + j, R * S when it is sent nowhere)."""
+    dest_node = dest // num_slots // gpus_per_node
+    first = _first_of_node(dest_node, num_nodes)
+    return jnp.zeros(num_nodes + 1, jnp.int32).at[jnp.where(first, dest_node, num_nodes)].add(1)[:num_nodes]
+
+
+def relay_dispatch(x: Float[Array, "T D"], gates: Float[Array, "T k"], dest: Int[Array, "T k"],
+                   route: Int[Array, "R R S"], rows_to_nodes: Int[Array, "R N"], expert_fn, *,
+                   gpus_per_node: int, relay_rows: int, recv_rows: int, backend: str,
+                   axes: tuple[str, str] = ("node", "gpu")) -> Float[Array, "T D"]:
+    """The gate-weighted sum over each token's pairs of its experts' outputs, moved as described above.
+
+    dest: each pair's flat destination slot d * S + j (R * S: sent nowhere, it adds nothing); route:
+    the plan's route after every cut (it must agree with dest); rows_to_nodes: node_rows of every
+    source. expert_fn maps this rank's received rows [recv_rows, D], grouped by slot (route[:, me]
+    summed over sources for each slot, slots in order), to their outputs."""
+    node_axis, gpu_axis = axes
+    num_tokens, top_k = dest.shape
+    num_ranks, _, num_slots = route.shape
+    gpus = gpus_per_node
+    nodes = num_ranks // gpus
+    node = jax.lax.axis_index(node_axis)
+    gpu = jax.lax.axis_index(gpu_axis)
+    me = node * gpus + gpu
+    dtype = x.dtype
+
+    # Stage 1 at the source: the rows (n, t) for each node n a token reaches, node by node.
+    dest_rank = dest // num_slots
+    dest_node = dest_rank // gpus  # N when sent nowhere
+    local_slot = (dest_rank % gpus) * num_slots + dest % num_slots  # g' * S + j on its node
+    first = _first_of_node(dest_node, nodes)
+    reaches = jnp.zeros((nodes + 1, num_tokens), bool).at[
+        jnp.where(first, dest_node, nodes), jnp.arange(num_tokens)[:, None]].set(True)[:nodes]  # [N, T]
+    send_rows = num_tokens * min(top_k, nodes)  # the most distinct (token, node) rows a source has
+    row_of = exclusive_cumsum(reaches.reshape(-1).astype(jnp.int32)).reshape(nodes, num_tokens)
+    (sent,) = jnp.nonzero(reaches.reshape(-1), size=send_rows, fill_value=nodes * num_tokens)
+    sent_node, sent_token = sent // num_tokens, sent % num_tokens  # node N: padding
+    on_node = (dest_node[sent_token.clip(0, num_tokens - 1)] == sent_node[:, None])  # [rows, k]
+    meta = jnp.where(on_node, local_slot[sent_token.clip(0, num_tokens - 1)], -1)
+    payload = jnp.concatenate([x[sent_token.clip(0, num_tokens - 1)],
+                               jnp.where(on_node, gates[sent_token.clip(0, num_tokens - 1)], 0).astype(dtype)], 1)
+
+    across = rows_to_nodes.reshape(nodes, gpus, nodes)[:, gpu]  # [n', n]: rows from (n', gpu) to relay (n, gpu)
+    first_capacity = min(num_tokens, relay_rows)
+    stage1 = dict(me=node, axis_name=node_axis, backend=backend, capacity=first_capacity)
+    arrived = _stage(payload, across, out_rows=relay_rows, **stage1)
+    arrived_meta = _stage(meta, across, out_rows=relay_rows, **stage1)
+
+    # At the relay: expand each row into its pairs on this node, ordered (gpu g', source node n', slot j).
+    arrived_end = jnp.cumsum(across[:, node])
+    row = jnp.arange(relay_rows, dtype=jnp.int32)
+    from_node = jnp.searchsorted(arrived_end, row, side="right")  # N past the rows that arrived
+    live = (from_node < nodes)[:, None] & (arrived_meta >= 0)  # [relay_rows, k]
+    dest_gpu, slot = arrived_meta // num_slots, arrived_meta % num_slots
+    num_keys = gpus * nodes * num_slots
+    key = jnp.where(live, (dest_gpu * nodes + from_node[:, None]) * num_slots + slot, num_keys).reshape(-1)
+    full_order = stable_order(key, num_keys + 1)
+    order = full_order[:relay_rows]  # live pairs first, and at most relay_rows of them (fit_relays)
+    forward = arrived[order // top_k, :-top_k]
+    within = relay_pairs(route, gpus)[node].sum(-1)  # [g0, n', g']: pairs relay (node, g0) forwards
+    to_gpus = within.sum(1)  # [g0, g']
+    second_capacity = min(relay_rows, recv_rows)
+    stage2 = dict(me=gpu, axis_name=gpu_axis, backend=backend, capacity=second_capacity)
+    received = _stage(forward, to_gpus, out_rows=recv_rows, **stage2)
+    # Rows arrive by relay g0, then source node n'; the flat order is by source s = n' * G + g0.
+    from_relays = within[:, :, gpu]  # [g0, n']
+    my_route = jax.lax.dynamic_index_in_dim(route, me, 1, keepdims=False)  # [s, S]
+    by_slot = regroup(regroup(received, from_relays), my_route)
+
+    out = expert_fn(by_slot)
+
+    # Combine: back to the relays in the order they sent, then one gate-weighted row per token and node.
+    back = regroup(regroup(out, my_route.T), from_relays.T)
+    returned = _stage(back, to_gpus.T, out_rows=relay_rows, **stage2)
+    position = inverse_permutation(full_order).reshape(relay_rows, top_k)  # live pairs: < relay_rows
+    arrived_gates = arrived[:, -top_k:].astype(jnp.float32)
+    summed = jnp.zeros((relay_rows, x.shape[1]), jnp.float32)
+    for i in range(top_k):  # choice by choice: a fixed order of summation
+        pair_out = returned[jnp.minimum(position[:, i], relay_rows - 1)].astype(jnp.float32)
+        summed += jnp.where(live[:, i:i + 1], arrived_gates[:, i:i + 1] * pair_out, 0)
+    home = _stage(summed.astype(dtype), across.T, out_rows=send_rows, **stage1)
+
+    # At the source: a token's rows from the nodes it reached, summed choice by choice.
+    y = jnp.zeros(x.shape, jnp.float32)
+    for i in range(top_k):
+        at = row_of[jnp.minimum(dest_node[:, i], nodes - 1), jnp.arange(num_tokens)]
+        y += jnp.where(first[:, i:i + 1], home[jnp.minimum(at, send_rows - 1)].astype(jnp.float32), 0)
+    return y.astype(dtype)
