@@ -167,6 +167,10 @@ class MoEConfig:
     sinkhorn_epsilon: float = TaotPlanner.epsilon  # taot only: entropic regularisation, in link-cost units
     sinkhorn_iters: int = TaotPlanner.iterations  # taot only: fixed Sinkhorn iteration count
     score_fn: str = "softmax"  # router scores: softmax or sigmoid
+    # Node-limited routing (DeepSeek-V3): each token's experts on at most this many nodes, chosen by
+    # the sum of their best ceil(k / max_nodes) scores; 0: no limit. Fewer rows cross nodes with the
+    # hierarchical dispatch.
+    max_nodes: int = 0
     normalize_topk: bool = True  # renormalise the k selected weights to sum to 1
     aux_loss_coef: float = 0.01  # Switch-style load-balancing loss
     z_loss_coef: float = 0.001  # router z-loss
@@ -182,7 +186,7 @@ class MoEConfig:
                  "true, false or 'auto' (on when the topology has more than one node)")
         _require(0 <= self.overflow_warn_fraction <= 1, "moe.overflow_warn_fraction", self.overflow_warn_fraction,
                  "a value in [0, 1]")
-        _non_negative("moe", self, "guest_slots", "min_gain", "aux_loss_coef", "z_loss_coef",
+        _non_negative("moe", self, "guest_slots", "max_nodes", "min_gain", "aux_loss_coef", "z_loss_coef",
                       "bias_update_rate")
         _positive("moe", self, "sinkhorn_epsilon", "sinkhorn_iters", "guest_weight_chunks")
         _require(self.recv_capacity_factor == 0 or self.recv_capacity_factor >= 1, "moe.recv_capacity_factor",
@@ -249,6 +253,10 @@ class RunConfig:
                  self.moe.guest_weight_chunks, f"a divisor of model.expert_hidden = {self.model.expert_hidden}")
         _require(self.model.num_experts % ranks == 0, "model.num_experts", self.model.num_experts,
                  f"a multiple of num_nodes * gpus_per_node = {ranks} expert-parallel ranks")
+        nodes, max_nodes = self.topology.num_nodes, self.moe.max_nodes
+        _require(max_nodes == 0 or max_nodes * (self.model.num_experts // nodes) >= self.model.top_k, "moe.max_nodes",
+                 max_nodes, f"0 (no limit) or at least model.top_k / (experts per node) = "
+                 f"{self.model.top_k} / {self.model.num_experts // nodes}")
         devices, micro = self.topology.num_devices, self.train.microbatches
         allowed = (f"a multiple of the {devices} devices of the mesh" if micro == 1 else
                    f"a multiple of train.microbatches x devices = {micro} x {devices}, so that every micro-batch "

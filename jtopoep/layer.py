@@ -115,7 +115,8 @@ class MoELayer(nnx.Module):
             tokens = x.reshape(b * length, d)
             with jax.named_scope("route"):
                 logits = tokens.astype(jnp.float32) @ router
-                routed = route(logits, self.top_k, moe.score_fn, moe.normalize_topk, bias)
+                routed = route(logits, self.top_k, moe.score_fn, moe.normalize_topk, bias, moe.max_nodes,
+                               self.topology.num_nodes)
             y, stats = moe_dispatch(tokens, routed.expert_ids, routed.gates.astype(x.dtype),
                                     ExpertWeights(w_gate, w_up, w_down), placement, self.planner,
                                     backend=moe.transport, hierarchical=moe.uses_relays(self.topology),

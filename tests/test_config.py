@@ -46,6 +46,7 @@ def test_presets_and_overrides(tmp_path):
     ("moe.guest_slots=-1", r"moe\.guest_slots = -1 is not allowed: expected a value >= 0"),
     ("moe.hierarchical=3", r"moe\.hierarchical = 3 has type int: expected bool or str"),
     ("moe.hierarchical=always", r"moe\.hierarchical = 'always' is not allowed: expected true, false or 'auto'"),
+    ("moe.max_nodes=-1", r"moe\.max_nodes = -1 is not allowed: expected a value >= 0"),
     ("moe.on_overflow=ignore", r"moe\.on_overflow = 'ignore' is not allowed: expected one of \['drop', 'error'\]"),
     ("moe.min_gain=-1.0", r"moe\.min_gain = -1\.0 is not allowed: expected a value >= 0"),
     ("moe.guest_weight_chunks=0", r"moe\.guest_weight_chunks = 0 is not allowed: expected a value > 0"),

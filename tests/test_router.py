@@ -40,3 +40,28 @@ def test_bias_update_raises_cold_lowers_hot():
 def test_unknown_score_fn():
     with pytest.raises(ValueError, match="unknown score_fn 'relu'"):
         route(jnp.zeros((2, 4)), 1, "relu")
+
+
+def test_node_limited_routing_picks_the_nodes_with_the_best_experts_in_sum():
+    """4 nodes of 2 experts, k = 4, M = 2: a node scores the sum of its ceil(4 / 2) = 2 best experts.
+    Node 0 holds the single best expert but node 1 and 2 the best pairs: the token goes to 1 and 2."""
+    scores = jnp.array([[0.90, 0.00, 0.60, 0.50, 0.55, 0.45, 0.30, 0.20]])
+    out = route(jnp.log(scores + 1e-9), 4, "softmax", max_nodes=2, num_nodes=4)
+    assert sorted(np.asarray(out.expert_ids)[0].tolist()) == [2, 3, 4, 5]
+    free = route(jnp.log(scores + 1e-9), 4, "softmax", max_nodes=0, num_nodes=4)
+    assert sorted(np.asarray(free.expert_ids)[0].tolist()) == [0, 2, 3, 4]
+
+
+def test_node_limited_routing_keeps_each_token_on_at_most_max_nodes_nodes():
+    logits = jax.random.normal(jax.random.key(0), (256, 32))
+    for max_nodes in (1, 2, 3):
+        out = route(logits, 6, "sigmoid", max_nodes=max_nodes, num_nodes=4)
+        nodes = np.asarray(out.expert_ids) // 8
+        assert max(len(set(row)) for row in nodes) == max_nodes
+    same = route(logits, 6, "sigmoid", max_nodes=4, num_nodes=4)
+    np.testing.assert_array_equal(np.asarray(same.expert_ids), np.asarray(route(logits, 6, "sigmoid").expert_ids))
+
+
+def test_node_limited_routing_needs_room_for_k_experts():
+    with pytest.raises(ValueError, match=r"max_nodes = 1 needs .* max_nodes \* E / nodes >= top_k = 6"):
+        route(jnp.zeros((2, 16)), 6, max_nodes=1, num_nodes=4)
