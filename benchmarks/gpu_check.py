@@ -117,7 +117,7 @@ def check_kept_copies(out: dict, backend: str = "ragged") -> None:
             previous = GuestCopies(held, ExpertWeights(cg, cu, cd))
             got = join_hidden(fetch_guest_weights(ExpertWeights(wg, wu, wd), guests, placement, me,
                                                   gpus_per_node=topology.gpus_per_node, backend=backend,
-                                                  hierarchical=False, previous=previous,
+                                                  previous=previous,
                                                   chunks=MoEConfig.guest_weight_chunks))
             return jax.lax.psum(sum((g ** 2).sum() for g in got), ("node", "gpu")), got
 

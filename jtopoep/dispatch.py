@@ -6,24 +6,28 @@
               experts kept from the previous micro-batch, or None)
     assign  : pair p -> (rank d, slot j): on this source the pairs of expert e, in [T, k] order,
               fill the slots holding e in ascending (d, j) order, plan.route[me, d, j] each
-    permute : pairs sorted by destination slot; send sizes plan.route[me].sum(1)
-    exchange: to the destination ranks (transport.exchange), regrouped there by slot
-    guests  : each guest slot's weights from its expert's home rank (same transport), or kept
+    exchange: hierarchical (the default on several nodes): each token once to every node it
+              reaches, fanned out there over NVLink (jtopoep.relay); flat: the pairs sorted by
+              destination slot, send sizes plan.route[me].sum(1), straight to their ranks
+              (transport.exchange); either way regrouped at the destination by slot
+    guests  : each guest slot's weights fanned out from its expert's home rank, or kept
               from the previous micro-batch of the step (jtopoep.guests), in `weight_chunks`
               slices of the hidden width, each its own transfer
     experts : SwiGLU over the S = H + K slots with jax.lax.ragged_dot, group sizes plan.route[:, me].sum(0):
               one grouped GEMM for the home slots and one per slice for the guest slots, so that the
               home GEMM does not depend on the guest weights and each slice's GEMM only on its own,
               and XLA may overlap the transfers with them
-    return  : the reverse exchange, unpermute, and the gate-weighted sum over the k choices
+    return  : the reverse exchanges, and the gate-weighted sum over the k choices (the relay
+              dispatch sums a token's pairs on each node before the row goes back)
 
 Receive buffer: a rank receives at most R*T*k rows (every source sending it every pair), and the
 grouped GEMM runs over the whole buffer: XLA expands `ragged_dot` into a dense dot masked per group
-unless a grouped-GEMM kernel takes it over. `recv_rows` bounds the buffer. A plan that would send a
-rank more is cut to fit, in (source, slot) order, and the pairs that do not fit are not computed:
-`DispatchStats.dropped` counts them (the same on every rank), and the caller must refuse the step
-(the trainer stops with an error naming the layer and the knob). With recv_rows at least the plan's
-largest rank load nothing is cut, and the layer is exact.
+unless a grouped-GEMM kernel takes it over. `recv_rows` bounds the buffer (and each relay's). A plan
+that would send a rank (or a relay) more is cut to fit, in (source, slot) order, and the pairs that
+do not fit are not computed, Switch-style: they add nothing to their token, which keeps its
+residual. `DispatchStats.dropped` counts them (the same on every rank); the trainer logs them per
+layer, or stops (moe.on_overflow). With recv_rows at least the plan's largest rank load nothing is
+cut, and the layer is exact.
 
 Everything is differentiable: the transpose of each exchange is the reverse exchange, so gradients of
 guest-slot weights travel back to the home rank and add into the home expert's gradient.
@@ -178,7 +182,7 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
     num_pairs = num_tokens * top_k
     num_ranks, num_experts = topology.num_ranks, planner.num_experts
     me = _my_rank(gpus, axes)
-    move = dict(gpus_per_node=gpus, backend=backend, hierarchical=hierarchical, axes=axes)
+    move = dict(gpus_per_node=gpus, backend=backend, axes=axes)
 
     with jax.named_scope("plan"):
         flat_ids = expert_ids.reshape(-1).astype(jnp.int32)
@@ -213,7 +217,7 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
         with jax.named_scope("guest_weights"):
             guest = fetch_guest_weights(weights, plan.slot_expert[:, home:], placement, me, previous=previous,
                                         chunks=weight_chunks,
-                                        **{k: move[k] for k in ("gpus_per_node", "backend", "hierarchical")})
+                                        **{k: move[k] for k in ("gpus_per_node", "backend")})
         copies = GuestCopies(plan.slot_expert[:, home:], join_hidden(guest))
 
     def experts(rows):

@@ -64,13 +64,14 @@ def kept_slots(guests: Int[Array, "R K"], held: Int[Array, "R K"]) -> jax.Array:
     return (guests >= 0) & (guests[:, :, None] == held[:, None, :]).any(2)
 
 
-def _deliver(rows, pick, src, me, move, num_guests: int, across: bool):
+def _deliver(rows, pick, src, me, move, num_guests: int):
     """[K, F] rows for this rank's guest slots: every slot (d, i) with a sender src[d, i] gets, from
     that rank, the row pick[d, i] of the sender's `rows` ([n, F]); slots without one get zeros.
-    across: whether any of these sends crosses nodes (it may then take the two-stage exchange).
+    A flat exchange: the fan-out already sends each expert across nodes once per node, and a
+    two-stage exchange would pad its middle buffer to every node's rows of whole experts.
     Linear in rows: a one-hot matmul picks them, whose transpose sums gradients with a dense dot,
     not a float scatter-add whose order could vary."""
-    gpus_per_node, backend, hierarchical = move
+    gpus_per_node, backend = move
     num_ranks = src.shape[0]
     sizes = (src[None, :, :] == jnp.arange(num_ranks)[:, None, None]).sum(2).astype(jnp.int32)  # [sender, d]
     mine = (src == me).reshape(-1)
@@ -78,7 +79,7 @@ def _deliver(rows, pick, src, me, move, num_guests: int, across: bool):
     which = pick.reshape(-1)[send_order]
     send = (which[:, None] == jnp.arange(rows.shape[0])[None, :]).astype(rows.dtype) @ rows  # [R*K, F]
     received = exchange(send, sizes, out_rows=num_guests, gpus_per_node=gpus_per_node, backend=backend,
-                        hierarchical=hierarchical and across, capacity=num_guests)
+                        capacity=num_guests)
     my_src = jax.lax.dynamic_index_in_dim(src, me, 0, keepdims=False)  # [K]
     earlier_same = (my_src[None, :] == my_src[:, None]) & (jnp.arange(num_guests)[None, :] < jnp.arange(num_guests)[:, None])
     offset = exclusive_cumsum(jax.lax.dynamic_index_in_dim(sizes, me, 1, keepdims=False))  # per sender
@@ -101,14 +102,13 @@ def _fetch(weights: ExpertWeights, guests, placement, me, skip, move) -> ExpertW
     src = guest_sources(guests, placement, gpus_per_node, sent)
     from_home = src == home_rank[jnp.maximum(guests, 0)]
     rows = jnp.concatenate([w.reshape(home, -1) for w in weights], axis=1)  # [H, 3*D*F]
-    got = _deliver(rows, home_slot[jnp.maximum(guests, 0)], jnp.where(from_home, src, -1), me, move, num_guests,
-                   True)
+    got = _deliver(rows, home_slot[jnp.maximum(guests, 0)], jnp.where(from_home, src, -1), me, move, num_guests)
     # Stage 2, over NVLink: a relay sends the row of its own slot holding the expert.
     relayed = sent & ~from_home
     held_at = (guests[src.clip(0)] == guests[:, :, None]).astype(jnp.int32)  # [R, K, K] the relay's slots
     relay_slot = first_argmax(held_at, axis=2)
     got = jnp.where(jax.lax.dynamic_index_in_dim(relayed, me, 0, keepdims=False)[:, None],
-                    _deliver(got, relay_slot, jnp.where(relayed, src, -1), me, move, num_guests, False), got)
+                    _deliver(got, relay_slot, jnp.where(relayed, src, -1), me, move, num_guests), got)
     parts, start = [], 0
     for w in weights:
         size = w[0].size
@@ -161,7 +161,7 @@ def join_hidden(slices) -> ExpertWeights:
 
 
 def fetch_guest_weights(weights: ExpertWeights, guests: Int[Array, "R K"], placement: Int[Array, "R H"], me, *,
-                        gpus_per_node: int, backend: str, hierarchical: bool,
+                        gpus_per_node: int, backend: str,
                         previous: GuestCopies | None = None, chunks: int = 1) -> tuple[ExpertWeights, ...]:
     """This rank's guest-slot weights, [K, ...] each, as `chunks` slices of the hidden width
     (hidden_slice), each fetched by its own exchange (`guests`: every rank's guest experts, -1
@@ -172,7 +172,7 @@ def fetch_guest_weights(weights: ExpertWeights, guests: Int[Array, "R K"], place
     hidden = weights.gate.shape[-1]
     if chunks < 1 or hidden % chunks:
         raise ValueError(f"chunks = {chunks} must be a positive divisor of the expert hidden width {hidden}")
-    move = (gpus_per_node, backend, hierarchical)
+    move = (gpus_per_node, backend)
     out = []
     for c in range(chunks):
         with jax.named_scope(f"slice{c}"):

@@ -11,9 +11,8 @@ Back ends (one signature):
 
 `exchange` moves rows between the ranks of the ("node", "gpu") mesh given the global matrix
 sizes[s, d] (rows from source rank s to destination rank d), which every rank knows because it is
-derived from the all-gathered plan. With hierarchical=True rows travel in two stages: first across
-nodes to the GPU with the destination's local index, then within the destination node, so each row
-crosses the scale-out link at most once and every inter-node message is aggregated per node pair.
+derived from the all-gathered plan. `_stage` is the same exchange among the peers of one mesh axis,
+which the deduplicated two-stage token dispatch (jtopoep.relay) is built from.
 """
 
 from __future__ import annotations
@@ -114,8 +113,8 @@ def regroup(x: Shaped[Array, "rows *feat"], sizes: Int[Array, "P Q"]) -> Shaped[
 
 
 def exchange(x: Shaped[Array, "rows *feat"], sizes: Int[Array, "R R"], *, out_rows: int,
-             gpus_per_node: int, backend: str = "auto", hierarchical: bool = False,
-             capacity: int | None = None, axes: tuple[str, str] = ("node", "gpu")) -> Shaped[Array, "out *feat"]:
+             gpus_per_node: int, backend: str = "auto", capacity: int | None = None,
+             axes: tuple[str, str] = ("node", "gpu")) -> Shaped[Array, "out *feat"]:
     """Send rows between the R = N * G ranks of the (node, gpu) mesh; call inside shard_map.
 
     x: this rank's rows, those for destination d contiguous and in d order (sizes[me, d] of them).
@@ -129,24 +128,6 @@ def exchange(x: Shaped[Array, "rows *feat"], sizes: Int[Array, "R R"], *, out_ro
     """
     backend = resolve_backend(backend)
     node_axis, gpu_axis = axes
-    num_ranks = sizes.shape[0]
-    num_nodes = num_ranks // gpus_per_node
     capacity = x.shape[0] if capacity is None else capacity
-    node = jax.lax.axis_index(node_axis)
-    gpu = jax.lax.axis_index(gpu_axis)
-    me = node * gpus_per_node + gpu
-    if not hierarchical or num_nodes == 1 or gpus_per_node == 1:
-        return _stage(x, sizes, me, axes, out_rows, backend, capacity)
-    grid = sizes.reshape(num_nodes, gpus_per_node, num_nodes, gpus_per_node)  # [n', g0, n, g]
-    # Stage 1, across nodes: my rows for node n go to (n, my gpu), still ordered by destination gpu.
-    across = grid[:, gpu]  # [n', n, g]: rows from (n', gpu) to (n, g)
-    mid_rows = num_nodes * x.shape[0]
-    # `capacity` bounds rows per (source, destination) pair; a stage-1 message carries a whole node's.
-    mid = _stage(x, across.sum(2), node, node_axis, mid_rows, backend, min(x.shape[0], capacity * gpus_per_node))
-    # On (node, gpu) they arrive as [n'][g]; regroup to [g][n'] to hand each local gpu its rows.
-    mid = regroup(mid, across[:, node, :])
-    # Stage 2, within the node: rows from (n', g0) to (node, g), sent by (node, g0).
-    within = grid[:, :, node, :]  # [n', g0, g]
-    out = _stage(mid, within.sum(0), gpu, gpu_axis, out_rows, backend, min(mid_rows, capacity * num_nodes))
-    # They arrive as [g0][n']; the flat exchange returns them in source order s = n' * G + g0.
-    return regroup(out, within[:, :, gpu].T)
+    me = jax.lax.axis_index(node_axis) * gpus_per_node + jax.lax.axis_index(gpu_axis)
+    return _stage(x, sizes, me, axes, out_rows, backend, capacity)

@@ -375,3 +375,20 @@ def test_layer_refuses_slices_that_do_not_divide_the_hidden_width(devices):
     topo = Topology.preset("cpu-2x4")
     with pytest.raises(ValueError, match=r"moe\.guest_weight_chunks = 2 must be a divisor of expert_hidden = 7"):
         MoELayer(D, E, K_TOP, F, MoEConfig(guest_weight_chunks=2), topo, make_mesh(topo), rngs=nnx.Rngs(0))
+
+
+def test_relay_dispatch_lowers_to_ragged_all_to_alls(devices):
+    """With the ragged transport nothing is padded: the two stages and their reverses (stage 1 moves
+    rows and their local slots), and the guest fetch's two exchanges, are all ragged all-to-alls."""
+    topo = Topology.preset("cpu-2x4")
+    planner = get_planner("topoep", topology=topo, num_experts=E, guest_slots=2)
+
+    def body(x, ids, gates, wg, wu, wd):
+        return moe_dispatch(x, ids, gates, ExpertWeights(wg, wu, wd), contiguous_placement(R, E), planner,
+                            backend="ragged", hierarchical=True)[0]
+
+    x, ids, gates, w = make_inputs()
+    fn = jax.jit(jax.shard_map(body, mesh=make_mesh(topo), in_specs=(SPEC,) * 6, out_specs=SPEC))
+    text = fn.lower(x, ids, gates, *w).as_text()
+    assert text.count("ragged_all_to_all") == 5 + 2
+    assert "stablehlo.all_to_all" not in text

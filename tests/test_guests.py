@@ -30,7 +30,7 @@ def weights(seed=0):
 
 
 @functools.lru_cache(maxsize=None)
-def fetcher(keep: bool, chunks: int = 1, hierarchical: bool = False):
+def fetcher(keep: bool, chunks: int = 1):
     """jit(value_and_grad) of sum(cotangent * guest weights) on the 2x4 mesh, and the weights (the
     slices of the hidden width joined back)."""
     topo = Topology.preset("cpu-2x4")
@@ -39,7 +39,7 @@ def fetcher(keep: bool, chunks: int = 1, hierarchical: bool = False):
         me = jax.lax.axis_index("node") * topo.gpus_per_node + jax.lax.axis_index("gpu")
         previous = GuestCopies(held, ExpertWeights(*held_w)) if keep else None
         got = fetch_guest_weights(ExpertWeights(*w), guests, jnp.asarray(PLACEMENT), me, gpus_per_node=topo.gpus_per_node,
-                                  backend="dense", hierarchical=hierarchical, previous=previous, chunks=chunks)
+                                  backend="dense", previous=previous, chunks=chunks)
         assert len(got) == chunks and got[0].gate.shape[-1] == F // chunks
         got = join_hidden(got)
         loss = sum((g * c).sum() for g, c in zip(got, cot))
@@ -76,12 +76,12 @@ def test_kept_slots_are_the_experts_the_rank_still_holds():
     assert kept.sum() == 12 and not kept[0, 2]  # an empty slot is never kept, even where -1 is held
 
 
-@pytest.mark.parametrize("chunks,hierarchical", [(1, False), (2, False), (1, True)])
-def test_fetch_puts_each_experts_weights_in_its_slot_and_sends_gradients_home(chunks, hierarchical):
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_fetch_puts_each_experts_weights_in_its_slot_and_sends_gradients_home(chunks):
     w = weights()
     cot = weights(1)
     cot = ExpertWeights(*(np.resize(c, (R * K,) + c.shape[1:]) for c in cot))
-    (_, got), grads = fetcher(False, chunks, hierarchical)(w, GUESTS, HELD, held_copies(w, 0.0), cot)
+    (_, got), grads = fetcher(False, chunks)(w, GUESTS, HELD, held_copies(w, 0.0), cot)
     for x, g, c, dw in zip(w, got, cot, grads):
         rows = GUESTS.reshape(-1)
         np.testing.assert_array_equal(np.asarray(g), np.where((rows >= 0)[:, None, None], x[np.maximum(rows, 0)], 0))
@@ -117,4 +117,4 @@ def test_slices_must_divide_the_hidden_width():
     w = ExpertWeights(*map(jnp.asarray, weights()))
     with pytest.raises(ValueError, match=r"chunks = 3 must be a positive divisor of the expert hidden width 4"):
         fetch_guest_weights(w, jnp.asarray(GUESTS), jnp.asarray(PLACEMENT), 0, gpus_per_node=4, backend="dense",
-                            hierarchical=False, chunks=3)
+                            chunks=3)
