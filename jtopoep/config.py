@@ -145,9 +145,11 @@ class MoEConfig:
     min_gain: float = 0.0
     price_transfers: bool = True  # refuse copies exposing more transfer time than GEMM time they save
     # Receive buffer of each rank (and of each relay of the hierarchical dispatch), in multiples of
-    # its own pairs (T * k); the grouped GEMM runs over all of it. 0: room for every pair of every
-    # source, never cut. A plan that sends a rank more has its last pairs cut (moe.on_overflow).
-    recv_capacity_factor: float = 0.0
+    # its own pairs (T * k); the grouped GEMM runs over all of it. A plan that sends a rank more has
+    # its last pairs cut (moe.on_overflow). 1.25 holds what topoep and taot plan on the real traces
+    # (`python -m benchmarks.data_path` gives the factor each planner needs); `none` needs far more.
+    # 0: room for every pair of every source (R x T x k rows), never cut: exact, and large.
+    recv_capacity_factor: float = 1.25
     # Pairs that do not fit a receive buffer: "drop" them (Switch-style: the token keeps its residual;
     # counted per layer in metrics.jsonl, with a warning past overflow_warn_fraction of the step's
     # pairs), or stop training with an "error".

@@ -64,11 +64,12 @@ def kept_slots(guests: Int[Array, "R K"], held: Int[Array, "R K"]) -> jax.Array:
     return (guests >= 0) & (guests[:, :, None] == held[:, None, :]).any(2)
 
 
-def _deliver(rows, pick, src, me, move, num_guests: int):
+def _deliver(rows, pick, src, me, move, num_guests: int, max_sends: int):
     """[K, F] rows for this rank's guest slots: every slot (d, i) with a sender src[d, i] gets, from
     that rank, the row pick[d, i] of the sender's `rows` ([n, F]); slots without one get zeros.
     A flat exchange: the fan-out already sends each expert across nodes once per node, and a
     two-stage exchange would pad its middle buffer to every node's rows of whole experts.
+    max_sends: the most slots one rank can send to (the send buffer's rows; see _fetch).
     Linear in rows: a one-hot matmul picks them, whose transpose sums gradients with a dense dot,
     not a float scatter-add whose order could vary."""
     gpus_per_node, backend = move
@@ -76,8 +77,8 @@ def _deliver(rows, pick, src, me, move, num_guests: int):
     sizes = (src[None, :, :] == jnp.arange(num_ranks)[:, None, None]).sum(2).astype(jnp.int32)  # [sender, d]
     mine = (src == me).reshape(-1)
     send_order = stable_order((~mine).astype(jnp.int32), 2)  # my (d, i) slots first, in (d, i) order
-    which = pick.reshape(-1)[send_order]
-    send = (which[:, None] == jnp.arange(rows.shape[0])[None, :]).astype(rows.dtype) @ rows  # [R*K, F]
+    which = pick.reshape(-1)[send_order[:max_sends]]
+    send = (which[:, None] == jnp.arange(rows.shape[0])[None, :]).astype(rows.dtype) @ rows  # [max_sends, F]
     received = exchange(send, sizes, out_rows=num_guests, gpus_per_node=gpus_per_node, backend=backend,
                         capacity=num_guests)
     my_src = jax.lax.dynamic_index_in_dim(src, me, 0, keepdims=False)  # [K]
@@ -102,13 +103,19 @@ def _fetch(weights: ExpertWeights, guests, placement, me, skip, move) -> ExpertW
     src = guest_sources(guests, placement, gpus_per_node, sent)
     from_home = src == home_rank[jnp.maximum(guests, 0)]
     rows = jnp.concatenate([w.reshape(home, -1) for w in weights], axis=1)  # [H, 3*D*F]
-    got = _deliver(rows, home_slot[jnp.maximum(guests, 0)], jnp.where(from_home, src, -1), me, move, num_guests)
+    # A home sends to slots of its own node (G * K at most) and to one relay per other node and
+    # expert; a relay to slots of its node: the send buffers need no more rows than that.
+    node_slots = gpus_per_node * num_guests
+    from_homes = min(num_ranks * num_guests, node_slots + home * (num_ranks // gpus_per_node - 1))
+    got = _deliver(rows, home_slot[jnp.maximum(guests, 0)], jnp.where(from_home, src, -1), me, move, num_guests,
+                   from_homes)
     # Stage 2, over NVLink: a relay sends the row of its own slot holding the expert.
     relayed = sent & ~from_home
     held_at = (guests[src.clip(0)] == guests[:, :, None]).astype(jnp.int32)  # [R, K, K] the relay's slots
     relay_slot = first_argmax(held_at, axis=2)
     got = jnp.where(jax.lax.dynamic_index_in_dim(relayed, me, 0, keepdims=False)[:, None],
-                    _deliver(got, relay_slot, jnp.where(relayed, src, -1), me, move, num_guests), got)
+                    _deliver(got, relay_slot, jnp.where(relayed, src, -1), me, move, num_guests,
+                             min(num_ranks * num_guests, node_slots)), got)
     parts, start = [], 0
     for w in weights:
         size = w[0].size

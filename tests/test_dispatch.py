@@ -162,7 +162,8 @@ def test_bfloat16_layer_moves_bfloat16_and_routes_like_float32(devices):
 
     topo = Topology.preset("cpu-2x4")
     mesh = make_mesh(topo)
-    moe = MoEConfig(planner="topoep", guest_slots=2, price_transfers=False, transport="dense", guest_weight_chunks=1)
+    moe = MoEConfig(planner="topoep", guest_slots=2, price_transfers=False, transport="dense", guest_weight_chunks=1,
+                    recv_capacity_factor=0.0)
     layer_ = MoELayer(D * 2, E, K_TOP, F, moe, topo, mesh, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.normal(size=(R, T, D * 2)), jnp.bfloat16)

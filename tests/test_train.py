@@ -20,7 +20,7 @@ def tiny(tmp_path, name, planner="topoep", steps=4, moe=None, **train):
         "model": {"vocab_size": 64, "seq_len": 12, "d_model": 16, "num_layers": 2, "num_heads": 2,
                   "num_experts": 16, "top_k": 2, "expert_hidden": 12, "dense_hidden": 24, "moe_every": 1},
         "moe": {"planner": planner, "guest_slots": 0 if planner == "none" else 2, "price_transfers": False,
-                "hierarchical": True, **(moe or {})},
+                "hierarchical": True, "recv_capacity_factor": 0, **(moe or {})},
         "train": {"steps": steps, "batch_size": 16, "warmup_steps": 1, "learning_rate": 1e-2, "log_every": 1,
                   "eval_every": 100, "eval_batches": 1, "checkpoint_every": 2,
                   "run_dir": str(tmp_path / name), **train},
