@@ -12,7 +12,8 @@ Compiled for XLA:CPU, which cannot compile the `ragged` transport, so with the e
 emulation (each exchange pads what it sends every peer to the most one peer can receive) and XLA:CPU's
 expansion of ragged_dot into a dense dot over every group: read the temporaries as what the buffers
 drive, compared across planners at one factor, not as a GPU measurement. The receive-buffer column is
-the ragged path's own buffers (receive rows, and the relays' stage-1 and stage-2 rows) x D x bytes.
+the ragged path's receive buffers (the rank's receive rows, and its stage-1 rows as a relay) x D x
+bytes, beside the issue's bound of 2 x T x k x D x bytes.
 Writes benchmarks/results/memory.json and memory.md.
 """
 
@@ -78,9 +79,10 @@ def main(argv=None) -> list[dict]:
 
                 memory = jax.jit(jax.value_and_grad(loss)).lower(state, x).compile().memory_analysis()
                 receive = layer.recv_rows(TOKENS)
-                relays = 2 * min(receive, topology.num_nodes * TOKENS * model.top_k) if topology.num_nodes > 1 else 0
+                # The relay's stage-1 receive buffer (jtopoep.relay: at most N x T rows).
+                relay = min(receive, topology.num_nodes * TOKENS) if topology.num_nodes > 1 else 0
                 row = {"model": name, "experts": experts, "planner": planner, "factor": factor, "receive_rows": receive,
-                       "buffers_gb": (receive + relays) * model.d_model * dtype.itemsize / 1e9,
+                       "buffers_gb": (receive + relay) * model.d_model * dtype.itemsize / 1e9,
                        "bound_gb": 2 * TOKENS * model.top_k * model.d_model * dtype.itemsize / 1e9,
                        "argument_gb": memory.argument_size_in_bytes / 1e9, "output_gb": memory.output_size_in_bytes / 1e9,
                        "temp_gb": memory.temp_size_in_bytes / 1e9}
@@ -96,7 +98,7 @@ def main(argv=None) -> list[dict]:
     lines = [f"One MoE layer on {args.topology}, {TOKENS} tokens per GPU, forward and backward, bfloat16, hierarchical "
              f"dispatch: XLA's memory analysis per device of the compiled program (XLA:CPU with the dense exchange "
              f"emulation; compare planners at one factor, not a GPU measurement). `python -m benchmarks.memory`", "",
-             "| model | planner | moe.recv_capacity_factor | receive rows | data-path buffers GB | 2 T k D bytes GB | "
+             "| model | planner | moe.recv_capacity_factor | receive rows | receive buffers GB | 2 T k D bytes GB | "
              "arguments GB | temporaries GB | temporaries / none's |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         versus = "" if r["temp_vs_none"] is None else f"{r['temp_vs_none']:.2f}"

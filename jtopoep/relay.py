@@ -19,7 +19,8 @@ Stage-1 sizes are not in the plan (they count distinct (token, node) rows): one 
 Sums are in float32 in a fixed order (choice by choice), so the result is bitwise deterministic. The
 backward pass is JAX's transpose of the same gathers and exchanges. Buffers: the relay's stage-1 and
 stage-2 buffers hold relay_rows rows each, the destination's recv_rows; `fit_relays` cuts a route so a
-relay never forwards more pairs than relay_rows (a relay then never receives more stage-1 rows).
+relay never forwards more pairs than relay_rows (a relay then never receives more stage-1 rows). The
+stage-1 buffer needs no more than N x T rows either: a source sends a node each token at most once.
 """
 
 from __future__ import annotations
@@ -111,15 +112,16 @@ def relay_dispatch(x: Float[Array, "T D"], gates: Float[Array, "T k"], dest: Int
 
     across = rows_to_nodes.reshape(nodes, gpus, nodes)[:, gpu]  # [n', n]: rows from (n', gpu) to relay (n, gpu)
     first_capacity = min(num_tokens, relay_rows)
+    arrived_rows = min(relay_rows, nodes * num_tokens)
     stage1 = dict(me=node, axis_name=node_axis, backend=backend, capacity=first_capacity)
-    arrived = _stage(payload, across, out_rows=relay_rows, **stage1)
-    arrived_meta = _stage(meta, across, out_rows=relay_rows, **stage1)
+    arrived = _stage(payload, across, out_rows=arrived_rows, **stage1)
+    arrived_meta = _stage(meta, across, out_rows=arrived_rows, **stage1)
 
     # At the relay: expand each row into its pairs on this node, ordered (gpu g', source node n', slot j).
     arrived_end = jnp.cumsum(across[:, node])
-    row = jnp.arange(relay_rows, dtype=jnp.int32)
+    row = jnp.arange(arrived_rows, dtype=jnp.int32)
     from_node = jnp.searchsorted(arrived_end, row, side="right")  # N past the rows that arrived
-    live = (from_node < nodes)[:, None] & (arrived_meta >= 0)  # [relay_rows, k]
+    live = (from_node < nodes)[:, None] & (arrived_meta >= 0)  # [arrived_rows, k]
     dest_gpu, slot = arrived_meta // num_slots, arrived_meta % num_slots
     num_keys = gpus * nodes * num_slots
     key = jnp.where(live, (dest_gpu * nodes + from_node[:, None]) * num_slots + slot, num_keys).reshape(-1)
@@ -141,9 +143,9 @@ def relay_dispatch(x: Float[Array, "T D"], gates: Float[Array, "T k"], dest: Int
     # Combine: back to the relays in the order they sent, then one gate-weighted row per token and node.
     back = regroup(regroup(out, my_route.T), from_relays.T)
     returned = _stage(back, to_gpus.T, out_rows=relay_rows, **stage2)
-    position = inverse_permutation(full_order).reshape(relay_rows, top_k)  # live pairs: < relay_rows
+    position = inverse_permutation(full_order).reshape(arrived_rows, top_k)  # live pairs: < relay_rows
     arrived_gates = arrived[:, -top_k:].astype(jnp.float32)
-    summed = jnp.zeros((relay_rows, x.shape[1]), jnp.float32)
+    summed = jnp.zeros((arrived_rows, x.shape[1]), jnp.float32)
     for i in range(top_k):  # choice by choice: a fixed order of summation
         pair_out = returned[jnp.minimum(position[:, i], relay_rows - 1)].astype(jnp.float32)
         summed += jnp.where(live[:, i:i + 1], arrived_gates[:, i:i + 1] * pair_out, 0)
