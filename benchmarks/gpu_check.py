@@ -5,7 +5,7 @@
    and the guest-weight fetch with copies kept from a previous micro-batch (values and gradients);
 2. planner latency on the GPU (R = 32, E = 256, K = 2, jitted, median), beside the host eplb planner,
    and whether every loop of the compiled planners has a known trip count (else XLA:GPU reads its exit
-   test on the host after every iteration: jtopoep/planners/loops.py);
+   test on the host after every iteration: jtopoep.planners.rounds.run_rounds);
 3. the grouped GEMM's cost against its receive buffer: jax.lax.ragged_dot over the same real rows in
    buffers of 1, 2 and R = 32 times those rows (XLA expands ragged_dot into a dense dot masked per
    group unless a grouped-GEMM kernel takes it, so its time follows the buffer, not the rows; the

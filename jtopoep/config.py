@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from jtopoep.gemm import GEMMS
 from jtopoep.planners.taot import TaotPlanner
 from jtopoep.topology import Topology
 
@@ -166,6 +167,10 @@ class MoEConfig:
     # divisor of model.expert_hidden. 2 takes most of what the cost model gives more slices (the
     # cluster projection's guest-weight term); more means narrower GEMMs and more collectives.
     guest_weight_chunks: int = 2
+    # The experts' grouped GEMM (jtopoep.gemm): "xla" (jax.lax.ragged_dot, as XLA lowers it for the
+    # backend), "pallas" (megablox, a TPU kernel whose cost follows the rows in use; interpret mode
+    # elsewhere, for tests), "auto": pallas on TPU, xla elsewhere.
+    gemm: str = "auto"
     sinkhorn_epsilon: float = TaotPlanner.epsilon  # taot only: entropic regularisation, in link-cost units
     sinkhorn_iters: int = TaotPlanner.iterations  # taot only: fixed Sinkhorn iteration count
     score_fn: str = "softmax"  # router scores: softmax or sigmoid
@@ -184,6 +189,7 @@ class MoEConfig:
         _choice("moe", self, "transport", TRANSPORTS)
         _choice("moe", self, "score_fn", SCORE_FNS)
         _choice("moe", self, "on_overflow", OVERFLOW)
+        _choice("moe", self, "gemm", GEMMS)
         _require(self.hierarchical in (True, False, "auto"), "moe.hierarchical", self.hierarchical,
                  "true, false or 'auto' (on when the topology has more than one node)")
         _require(0 <= self.overflow_warn_fraction <= 1, "moe.overflow_warn_fraction", self.overflow_warn_fraction,

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jtopoep.gemm import grouped_matmul
 from jtopoep.guests import ExpertWeights, GuestCopies, fetch_guest_weights, join_hidden
 from jtopoep.plan import Plan, home_plan
 from jtopoep.planners.base import PlannerBase
@@ -121,16 +122,18 @@ def assign_slots(expert_ids: Int[Array, " A"], local_counts: Int[Array, " E"], p
     return jnp.zeros(num_pairs, jnp.int32).at[order].set(dest_sorted.astype(jnp.int32), unique_indices=True)
 
 
-def _swiglu_slots(x, weights: ExpertWeights, group_sizes):
-    gate = jax.lax.ragged_dot(x, weights.gate, group_sizes)
-    up = jax.lax.ragged_dot(x, weights.up, group_sizes)
-    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, weights.down, group_sizes)
+def _swiglu_slots(x, weights: ExpertWeights, group_sizes, gemm: str):
+    gate = grouped_matmul(x, weights.gate, group_sizes, gemm)
+    up = grouped_matmul(x, weights.up, group_sizes, gemm)
+    return grouped_matmul(jax.nn.silu(gate) * up, weights.down, group_sizes, gemm)
 
 
 def expert_ffn(x: Float[Array, "rows D"], home_weights: ExpertWeights,
-               guest_slices: tuple[ExpertWeights, ...] | None, group_sizes: Int[Array, " S"]) -> Float[Array, "rows D"]:
+               guest_slices: tuple[ExpertWeights, ...] | None, group_sizes: Int[Array, " S"],
+               gemm: str = "xla") -> Float[Array, "rows D"]:
     """SwiGLU of each row with its slot's expert; rows in slot order, group_sizes[j] rows for slot j
-    (the H home slots, then the K guest slots); rows past the groups come out as zeros.
+    (the H home slots, then the K guest slots); rows past the groups come out as zeros. gemm: the
+    grouped GEMM (jtopoep.gemm).
     guest_slices: the guest slots' weights as slices of the hidden width (guests.hidden_slice), or
     None without guest slots.
 
@@ -146,7 +149,7 @@ def expert_ffn(x: Float[Array, "rows D"], home_weights: ExpertWeights,
     row = jnp.arange(rows)[:, None]
     home_rows = group_sizes[:home].sum()
     with jax.named_scope("home_ffn"):
-        out = _swiglu_slots(x, home_weights, group_sizes[:home])
+        out = _swiglu_slots(x, home_weights, group_sizes[:home], gemm)
         out = jnp.where(row < home_rows, out, 0)
     if guest_slices is None:
         return out
@@ -155,7 +158,7 @@ def expert_ffn(x: Float[Array, "rows D"], home_weights: ExpertWeights,
         guest = None
         for c, part in enumerate(guest_slices):
             with jax.named_scope(f"slice{c}"):
-                y = _swiglu_slots(rotated, part, group_sizes[home:])
+                y = _swiglu_slots(rotated, part, group_sizes[home:], gemm)
             guest = y if guest is None else guest + y
         guest = jnp.roll(guest, home_rows, axis=0)
     return jnp.where((row >= home_rows) & (row < group_sizes.sum()), guest, out)
@@ -165,7 +168,7 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
                  weights: ExpertWeights, placement: Int[Array, "R H"], planner: PlannerBase, *,
                  backend: str = "auto", hierarchical: bool = False, recv_rows: int | None = None,
                  axes: tuple[str, str] = ("node", "gpu"), previous: GuestCopies | None = None,
-                 weight_chunks: int = 1) -> tuple[Float[Array, "T D"], DispatchStats]:
+                 weight_chunks: int = 1, gemm: str = "auto") -> tuple[Float[Array, "T D"], DispatchStats]:
     """The layer's expert computation for this rank's T tokens; call inside shard_map over `axes`.
 
     recv_rows: rows of each rank's receive buffer, which the grouped GEMM runs over; default (and at
@@ -175,7 +178,8 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
     a copy where that balances as well), and guest slots that hold one again are not fetched
     (jtopoep.guests). Only valid while the weights are unchanged: start each step without it.
     weight_chunks: the guest weights travel, and their GEMMs run, in this many slices of the hidden
-    width (jtopoep.guests), a divisor of it; the result is the same SwiGLU, summed by slice."""
+    width (jtopoep.guests), a divisor of it; the result is the same SwiGLU, summed by slice.
+    gemm: the grouped GEMM of the expert slots (jtopoep.gemm)."""
     topology = planner.topology
     gpus = topology.gpus_per_node
     num_tokens, top_k = expert_ids.shape
@@ -221,7 +225,7 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
         copies = GuestCopies(plan.slot_expert[:, home:], join_hidden(guest))
 
     def experts(rows):
-        return expert_ffn(rows, weights, guest, group_sizes)
+        return expert_ffn(rows, weights, guest, group_sizes, gemm)
 
     if relay:
         with jax.named_scope("relay_dispatch"):

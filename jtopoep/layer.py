@@ -121,7 +121,7 @@ class MoELayer(nnx.Module):
                                     ExpertWeights(w_gate, w_up, w_down), placement, self.planner,
                                     backend=moe.transport, hierarchical=moe.uses_relays(self.topology),
                                     recv_rows=self.recv_rows(tokens.shape[0]), previous=previous,
-                                    weight_chunks=moe.guest_weight_chunks)
+                                    weight_chunks=moe.guest_weight_chunks, gemm=moe.gemm)
             fingerprint = plan_fingerprint(stats.plan)
             scalars = {
                 "aux_loss": jax.lax.pmean(routed.aux_loss, batch_axes),

@@ -10,6 +10,7 @@ from jax.extend.core import Var
 from jax.sharding import PartitionSpec as P
 
 from jtopoep.dispatch import ExpertWeights, assign_slots, expert_ffn, moe_dispatch
+from jtopoep.gemm import grouped_matmul
 from jtopoep.guests import GuestCopies, hidden_slice
 from jtopoep.plan import check_plan, contiguous_placement
 from jtopoep.planners import get_planner
@@ -312,9 +313,10 @@ def split(w):
     return (ExpertWeights(*(a[:FFN_HOME] for a in w)), ExpertWeights(*(a[FFN_HOME:] for a in w)))
 
 
-def ffn_loss(x, w, chunks=1):
+def ffn_loss(x, w, chunks=1, gemm="xla"):
     home, guest = split(w)
-    y = expert_ffn(x, home, tuple(hidden_slice(guest, c, chunks) for c in range(chunks)), jnp.asarray(FFN_SIZES))
+    y = expert_ffn(x, home, tuple(hidden_slice(guest, c, chunks) for c in range(chunks)), jnp.asarray(FFN_SIZES),
+                   gemm)
     return (jnp.sin(y) * y).sum(), y
 
 
@@ -325,10 +327,12 @@ def ffn_reference_loss(x, w):
     return (jnp.sin(y) * y).sum(), y
 
 
-@pytest.mark.parametrize("chunks", [1, F])  # F = 7 slices: the guest GEMM one hidden unit at a time
-def test_expert_ffn_matches_per_row_reference_with_gradients(chunks):
+# F = 7 slices: the guest GEMM one hidden unit at a time; "pallas": megablox, in interpret mode here.
+@pytest.mark.parametrize("chunks,gemm", [(1, "xla"), (F, "xla"), (1, "pallas")])
+def test_expert_ffn_matches_per_row_reference_with_gradients(chunks, gemm):
     x, w = ffn_inputs()
-    (got, y), grads = jax.value_and_grad(functools.partial(ffn_loss, chunks=chunks), argnums=(0, 1), has_aux=True)(x, w)
+    (got, y), grads = jax.value_and_grad(functools.partial(ffn_loss, chunks=chunks, gemm=gemm), argnums=(0, 1),
+                                         has_aux=True)(x, w)
     (want, y_ref), ref_grads = jax.value_and_grad(ffn_reference_loss, argnums=(0, 1), has_aux=True)(x, w)
     np.testing.assert_allclose(y, y_ref, atol=ATOL)
     assert not np.asarray(y)[FFN_SIZES.sum():].any()  # rows past the groups are exactly zero
@@ -393,3 +397,8 @@ def test_relay_dispatch_lowers_to_ragged_all_to_alls(devices):
     text = fn.lower(x, ids, gates, *w).as_text()
     assert text.count("ragged_all_to_all") == 5 + 2
     assert "stablehlo.all_to_all" not in text
+
+
+def test_unknown_gemm_is_refused():
+    with pytest.raises(ValueError, match=r"unknown grouped GEMM 'cublas'; known: \['auto', 'xla', 'pallas'\]"):
+        grouped_matmul(jnp.ones((4, 2)), jnp.ones((1, 2, 3)), jnp.array([4], jnp.int32), "cublas")
