@@ -9,7 +9,8 @@ slots, bfloat16):
   slot (jtopoep.dispatch.assign_slots); scale-out token rows per token are counted flat (every pair
   bound for another node) and deduplicated (jtopoep.relay: every other node a token reaches, once).
   Inter-node bytes add the guest weights that cross nodes (fan-out fetch, jtopoep.costmodel), both
-  ways: tokens out and back, weights out and gradients back.
+  ways: tokens out and back, weights out and gradients back. The cost model's exchange time of the
+  slowest rank, relay (scale-out rows, then NVLink pairs) against flat, summed over the layers.
 - Drops against the receive-buffer capacity factor (moe.recv_capacity_factor): the pairs each plan
   loses when every rank's receive buffer, and every relay's, holds factor x T x k rows (the cuts of
   jtopoep.dispatch.fit_route and jtopoep.relay.fit_relays), on the same real traces and on the
@@ -31,7 +32,7 @@ import numpy as np
 from benchmarks.planners import DIMS, make
 from benchmarks.scale import loads as synthetic_loads
 from jtopoep import traces, xla_cpu
-from jtopoep.costmodel import guest_transfers
+from jtopoep.costmodel import exchange_seconds_per_rank, guest_transfers, relay_exchange_seconds_per_rank
 from jtopoep.dispatch import assign_slots, fit_route
 from jtopoep.plan import Plan, contiguous_placement
 from jtopoep.relay import fit_relays, relay_pairs
@@ -81,8 +82,12 @@ def scaleout(ids: np.ndarray, plan: Plan, topology: Topology) -> dict:
         first[:, :, i] = (dest_node[:, :, :i] != dest_node[:, :, i:i + 1]).all(-1)
     moves = guest_transfers(jax.device_get(plan), np.asarray(contiguous_placement(num_ranks, EXPERTS)), gpus)
     sender_node, host_node = np.arange(num_ranks)[:, None] // gpus, np.arange(num_ranks)[None, :] // gpus
+    num_nodes = num_ranks // gpus
+    node_rows = np.stack([np.bincount(dest_node[s][first[s]], minlength=num_nodes) for s in range(num_ranks)])
     return {"pairs": int(remote.sum()), "rows": int((remote & first).sum()),
-            "weights": int(moves[sender_node != host_node].sum())}
+            "weights": int(moves[sender_node != host_node].sum()),
+            "flat_s": float(exchange_seconds_per_rank(plan, topology, DIMS).max()),
+            "relay_s": float(relay_exchange_seconds_per_rank(plan, node_rows, topology, DIMS).max())}
 
 
 def inter_bytes(rows: float, copies: float) -> float:
@@ -96,7 +101,8 @@ def rows_table(planners: dict, layers: range, seeds: int) -> list[dict]:
         num_ranks = topology.num_ranks
         for task in traces.ESFT_TASKS:
             batches = [token_batch(task, num_ranks, seed) for seed in range(seeds)]
-            totals = {name: {"pairs": 0, "rows": 0, "weights": 0, "tokens": 0} for name in PLANNERS}
+            totals = {name: {"pairs": 0, "rows": 0, "weights": 0, "tokens": 0, "flat_s": 0.0, "relay_s": 0.0}
+                      for name in PLANNERS}
             per_layer = {name: [] for name in PLANNERS}
             for batch in batches:
                 for layer in layers:
@@ -117,6 +123,7 @@ def rows_table(planners: dict, layers: range, seeds: int) -> list[dict]:
                             "rows_vs_pairs": t["rows"] / t["pairs"],
                             "worst_layer_rows_vs_pairs": max(per_layer[name]),
                             "copies_across_per_layer": t["weights"] / (len(layers) * seeds),
+                            "relay_vs_flat_exchange_s": t["relay_s"] / t["flat_s"],
                             "flat_bytes_vs_eplb_flat": inter_bytes(t["pairs"], t["weights"]) / eplb_flat,
                             "dedup_bytes_vs_eplb_flat": inter_bytes(t["rows"], t["weights"]) / eplb_flat})
                 print(f"{topo_name} {task} {name}: {out[-1]['pairs_per_token']:.2f} pairs, "
@@ -171,10 +178,12 @@ def markdown(rows: list[dict], drops: list[dict], layers: range, seeds: int) -> 
              f"{seeds} draw(s) of {TOKENS} tokens per rank, K = {SLOTS} guest slots, pricing on).", "",
              "## Token rows across nodes, per token", "",
              "| topology | trace | planner | flat pairs | dedup rows | dedup / flat | worst layer | guest copies across a layer | "
-             "flat bytes / eplb flat | dedup bytes / eplb flat |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "flat bytes / eplb flat | dedup bytes / eplb flat | exchange time, relay / flat |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['topology']} | {r['task']} | {r['planner']} | {r['pairs_per_token']:.2f} | {r['rows_per_token']:.2f} | "
               f"{r['rows_vs_pairs']:.2f} | {r['worst_layer_rows_vs_pairs']:.2f} | {r['copies_across_per_layer']:.1f} | "
-              f"{r['flat_bytes_vs_eplb_flat']:.2f} | {r['dedup_bytes_vs_eplb_flat']:.2f} |" for r in rows]
+              f"{r['flat_bytes_vs_eplb_flat']:.2f} | {r['dedup_bytes_vs_eplb_flat']:.2f} | "
+              f"{r['relay_vs_flat_exchange_s']:.2f} |" for r in rows]
     lines += ["", "## Pairs dropped against moe.recv_capacity_factor (share of all pairs, mean over micro-batches)", "",
               "Every rank's receive buffer and every relay's hold factor x T x k rows; the last column is the "
               "factor the plan would need to drop nothing in its worst micro-batch.", "",

@@ -152,10 +152,9 @@ class MoEConfig:
     # 0: room for every pair of every source (R x T x k rows), never cut: exact, and large.
     recv_capacity_factor: float = 1.25
     # Pairs that do not fit a receive buffer: "drop" them (Switch-style: the token keeps its residual;
-    # counted per layer in metrics.jsonl, with a warning past overflow_warn_fraction of the step's
-    # pairs), or stop training with an "error".
+    # counted per layer in metrics.jsonl, with a warning past train.overflow_warn_fraction of the
+    # step's pairs), or stop training with an "error".
     on_overflow: str = "drop"
-    overflow_warn_fraction: float = 0.001  # share of a layer's pairs dropped in a step that warns
     # With train.microbatches > 1: a guest copy a rank already holds from the step's previous
     # micro-batch is kept, not fetched again (the weights have not changed). Saves forward weight
     # transfers and no maths (jtopoep.guests), and the planners price such a copy's gradients
@@ -192,8 +191,6 @@ class MoEConfig:
         _choice("moe", self, "gemm", GEMMS)
         _require(self.hierarchical in (True, False, "auto"), "moe.hierarchical", self.hierarchical,
                  "true, false or 'auto' (on when the topology has more than one node)")
-        _require(0 <= self.overflow_warn_fraction <= 1, "moe.overflow_warn_fraction", self.overflow_warn_fraction,
-                 "a value in [0, 1]")
         _non_negative("moe", self, "guest_slots", "max_nodes", "min_gain", "aux_loss_coef", "z_loss_coef",
                       "bias_update_rate")
         _positive("moe", self, "sinkhorn_epsilon", "sinkhorn_iters", "guest_weight_chunks")
@@ -227,11 +224,15 @@ class TrainConfig:
     checkpoint_every: int = 50  # save a checkpoint every this many steps, and at the last step
     keep_checkpoints: int = 2  # checkpoints kept on disk (the newest)
     run_dir: str = "runs/tiny_cpu"  # checkpoints, metrics.jsonl, counts.npz, config.json and report.png
+    # Warn when a step drops more than this share of an MoE layer's pairs (moe.on_overflow: drop).
+    overflow_warn_fraction: float = 0.001
 
     def __post_init__(self):
         _positive("train", self, "steps", "batch_size", "microbatches", "learning_rate", "log_every",
                   "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints")
         _non_negative("train", self, "warmup_steps", "weight_decay", "grad_clip", "seed")
+        _require(0 <= self.overflow_warn_fraction <= 1, "train.overflow_warn_fraction", self.overflow_warn_fraction,
+                 "a value in [0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)

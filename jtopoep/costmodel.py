@@ -133,6 +133,30 @@ def exchange_seconds_per_rank(plan: Plan, topology: Topology, dims: ExpertDims) 
     return per_rank
 
 
+def relay_exchange_seconds_per_rank(plan: Plan, node_rows: np.ndarray, topology: Topology,
+                                    dims: ExpertDims) -> np.ndarray:
+    """[R] seconds of one token exchange at each rank with the hierarchical dispatch (jtopoep.relay):
+    stage 1 over the scale-out link, each token once to every other node it reaches (node_rows
+    [R, N]: distinct (token, node) rows from each source to each node), to the GPU of the sender's
+    index; then stage 2 over NVLink, each relay's pairs to the other GPUs of its node. The stages
+    run one after the other; each the larger of what a rank sends and receives."""
+    rows = np.asarray(node_rows).astype(np.float64)
+    num_ranks, num_nodes = rows.shape
+    gpus = topology.gpus_per_node
+    own = np.arange(num_ranks) // gpus
+    across = np.where(own[:, None] != np.arange(num_nodes)[None, :], rows, 0.0)  # [s, n]
+    grid = across.reshape(num_nodes, gpus, num_nodes)  # [n', g, n]: to relay (n, g)
+    received = grid.sum(0).T.reshape(-1)  # relay (n, g)
+    stage1 = np.maximum(across.sum(1), received) * dims.pair_bytes / topology.inter_bw
+    pairs = np.asarray(plan.route).astype(np.float64).sum(2).reshape(num_nodes, gpus, num_nodes, gpus)
+    forwarded = pairs.sum(0)  # [g0, n, g']: relay (n, g0) to rank (n, g')
+    off_rank = 1.0 - np.eye(gpus)[:, None, :]
+    sent = (forwarded * off_rank).sum(2).T.reshape(-1)  # relay (n, g0)
+    got = (forwarded * off_rank).sum(0).reshape(-1)  # rank (n, g')
+    stage2 = np.maximum(sent, got) * dims.pair_bytes / topology.intra_bw
+    return stage1 + stage2
+
+
 def copy_seconds_per_rank(moves: np.ndarray, topology: Topology, dims: ExpertDims) -> np.ndarray:
     """[R] seconds of copy transfers at each rank, moves [R(home), R(guest host)] copies: home ranks
     send (rows), guest hosts receive (columns); per link class, full duplex: the slower side."""
@@ -184,12 +208,14 @@ def exposed_weight_seconds(weights_out: np.ndarray, grads_back: np.ndarray, home
 
 
 def layer_time(plan: Plan, topology: Topology, dims: ExpertDims, placement,
-               planning_s: float = 0.0, held=None) -> dict[str, float]:
+               planning_s: float = 0.0, held=None, node_rows=None) -> dict[str, float]:
     """Seconds of one MoE layer's forward+backward under the plan, by term, and their sum.
 
     placement: [R, H] home expert of each home slot (the plan's first H slot columns).
     held: [R, K'] guest experts each rank kept from the step's previous micro-batch (-1 empty): their
-    copies' weights are not shipped again, but every copy's gradients still go home."""
+    copies' weights are not shipped again, but every copy's gradients still go home.
+    node_rows: [R, N] distinct (token, node) rows each source sends each node, for the hierarchical
+    dispatch (relay_exchange_seconds_per_rank); None prices the flat exchange of every pair."""
     route = np.asarray(plan.route).astype(np.float64)
     placement = np.asarray(placement)
     gemm = float(route.sum(axis=(0, 2)).max() * dims.pair_flops / (topology.flops * topology.mfu))
@@ -199,7 +225,9 @@ def layer_time(plan: Plan, topology: Topology, dims: ExpertDims, placement,
     uses_inter = bool((np.where(cls == 2, pairs, 0) > 0).any())
     uses_intra = bool((np.where(cls == 1, pairs, 0) > 0).any())
     latency = topology.inter_latency if uses_inter else (topology.intra_latency if uses_intra else 0.0)
-    exchange = EXCHANGES_PER_LAYER * (float(exchange_seconds_per_rank(plan, topology, dims).max()) + latency)
+    per_rank = (exchange_seconds_per_rank(plan, topology, dims) if node_rows is None
+                else relay_exchange_seconds_per_rank(plan, node_rows, topology, dims))
+    exchange = EXCHANGES_PER_LAYER * (float(per_rank.max()) + latency)
 
     weights_out, grads_back = guest_copy_seconds(plan, topology, dims, placement, held)
     home_fwd, guest_fwd = slot_forward_seconds(plan, topology, dims, placement)

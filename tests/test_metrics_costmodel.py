@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtopoep.costmodel import ExpertDims, copy_break_even_pairs, exposed_weight_seconds, layer_time
+from jtopoep.costmodel import (ExpertDims, copy_break_even_pairs, exposed_weight_seconds, layer_time,
+                                relay_exchange_seconds_per_rank)
 from jtopoep.metrics import counts_imbalance, imbalance, inter_node_pairs, summarize
 from jtopoep.plan import Plan, contiguous_placement, home_plan
 from jtopoep.topology import Topology
@@ -271,3 +272,22 @@ def test_inter_bytes_floor_is_the_brute_force_minimum(num_experts, guest_slots, 
     plan = plan_from_quotas(counts, slot_expert, quota, 2, True, np)
     check_plan(plan, counts, placement)
     assert summarize(plan, counts, TOPO, DIMS, placement)["inter_bytes"] == pytest.approx(floor, rel=1e-12)
+
+
+def test_relay_exchange_prices_rows_across_nodes_then_pairs_over_nvlink():
+    """Rank 0 (node 0) sends 3 pairs to rank 2 and 2 to rank 3 (node 1) from 4 distinct tokens: stage
+    1 moves 4 rows to relay rank 2 (rank 0's GPU index on node 1), stage 2 the 2 pairs for rank 3
+    over NVLink; the flat exchange moves all 5 pairs across."""
+    topo = Topology(2, 2)
+    dims = ExpertDims(d_model=1024, expert_hidden=64)
+    route = np.zeros((4, 4, 1), np.int32)
+    route[0, 2, 0], route[0, 3, 0] = 3, 2
+    plan = Plan(jnp.arange(4, dtype=jnp.int32)[:, None], jnp.asarray(route))
+    node_rows = np.zeros((4, 2), np.int32)
+    node_rows[0, 1] = 4
+    got = relay_exchange_seconds_per_rank(plan, node_rows, topo, dims)
+    across, within = dims.pair_bytes / topo.inter_bw, dims.pair_bytes / topo.intra_bw
+    np.testing.assert_allclose(got, [4 * across, 0.0, 4 * across + 2 * within, 2 * within])
+    flat = layer_time(plan, topo, dims, np.arange(4)[:, None])["exchange_s"]
+    relay = layer_time(plan, topo, dims, np.arange(4)[:, None], node_rows=node_rows)["exchange_s"]
+    assert relay < flat

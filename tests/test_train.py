@@ -121,8 +121,8 @@ def test_receive_buffer_overflow_stops_the_run_when_asked(devices, tmp_path):
 
 def test_dropped_pairs_are_logged_per_layer_and_warn_past_the_threshold(devices, tmp_path):
     """moe.on_overflow: drop (the default) trains on; metrics.jsonl has the pairs dropped per layer,
-    and a step dropping more than moe.overflow_warn_fraction of a layer's pairs warns, naming it."""
-    trainer = Trainer(tiny(tmp_path, "drop", moe={"overflow_warn_fraction": 0.01}))
+    and a step dropping more than train.overflow_warn_fraction of a layer's pairs warns, naming it."""
+    trainer = Trainer(tiny(tmp_path, "drop", overflow_warn_fraction=0.01))
     pairs = 16 * 12 * 2  # batch x sequence x top_k: 1% is 3.84 pairs
     poison_step(trainer, 2, lambda out: {**out, "dropped_pairs": out["dropped_pairs"].at[0, 0].set(3)})
     poison_step(trainer, 3, lambda out: {**out, "dropped_pairs": out["dropped_pairs"].at[0, 1].set(7)})

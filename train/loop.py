@@ -52,7 +52,7 @@ class ReceiveCapacityError(RuntimeError):
 
 
 class OverflowWarning(UserWarning):
-    """A step dropped more pairs than moe.overflow_warn_fraction of a layer's pairs."""
+    """A step dropped more pairs than train.overflow_warn_fraction of a layer's pairs."""
 
 
 def make_optimizer(config: RunConfig) -> optax.GradientTransformation:
@@ -311,10 +311,11 @@ class Trainer:
                                        f"room for every pair, or set moe.on_overflow: drop; {good}")
         m = self.config.model
         pairs = self.config.train.batch_size * m.seq_len * m.top_k // self.config.topology.data_parallel
-        if dropped[layer] > moe.overflow_warn_fraction * pairs:
+        limit = self.config.train.overflow_warn_fraction
+        if dropped[layer] > limit * pairs:
             warnings.warn(f"step {step}: {what}, {dropped[layer] / pairs:.2%} of its pairs, more than "
-                          f"moe.overflow_warn_fraction = {moe.overflow_warn_fraction}; they added nothing to their "
-                          f"tokens", OverflowWarning, stacklevel=2)
+                          f"train.overflow_warn_fraction = {limit}; they added nothing to their tokens",
+                          OverflowWarning, stacklevel=2)
 
     def _step(self, step: int) -> dict:
         """Train one step, check it, and return its metrics row."""
