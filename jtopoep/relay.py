@@ -105,10 +105,9 @@ def relay_dispatch(x: Float[Array, "T D"], gates: Float[Array, "T k"], dest: Int
     row_of = exclusive_cumsum(reaches.reshape(-1).astype(jnp.int32)).reshape(nodes, num_tokens)
     (sent,) = jnp.nonzero(reaches.reshape(-1), size=send_rows, fill_value=nodes * num_tokens)
     sent_node, sent_token = sent // num_tokens, sent % num_tokens  # node N: padding
-    on_node = (dest_node[sent_token.clip(0, num_tokens - 1)] == sent_node[:, None])  # [rows, k]
-    meta = jnp.where(on_node, local_slot[sent_token.clip(0, num_tokens - 1)], -1)
-    payload = jnp.concatenate([x[sent_token.clip(0, num_tokens - 1)],
-                               jnp.where(on_node, gates[sent_token.clip(0, num_tokens - 1)], 0).astype(dtype)], 1)
+    on_node = dest_node[sent_token] == sent_node[:, None]  # [rows, k]: the token's pairs on that node
+    meta = jnp.where(on_node, local_slot[sent_token], -1)
+    payload = jnp.concatenate([x[sent_token], jnp.where(on_node, gates[sent_token], 0).astype(dtype)], 1)
 
     across = rows_to_nodes.reshape(nodes, gpus, nodes)[:, gpu]  # [n', n]: rows from (n', gpu) to relay (n, gpu)
     first_capacity = min(num_tokens, relay_rows)
