@@ -402,3 +402,36 @@ def test_relay_dispatch_lowers_to_ragged_all_to_alls(devices):
 def test_unknown_gemm_is_refused():
     with pytest.raises(ValueError, match=r"unknown grouped GEMM 'cublas'; known: \['auto', 'xla', 'pallas'\]"):
         grouped_matmul(jnp.ones((4, 2)), jnp.ones((1, 2, 3)), jnp.array([4], jnp.int32), "cublas")
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_layer_with_scattered_homes_matches_dense_loop(devices, hierarchical):
+    """Any placement works: the expert weights are stored in home-slot order (row r * H + h holds
+    expert placement[r, h]), and the layer gives the dense loop's values and gradients."""
+    topo = Topology.preset("cpu-2x4")
+    placement = np.random.default_rng(11).permutation(E).reshape(R, E // R).astype(np.int32)
+    planner = get_planner("topoep", topology=topo, num_experts=E, guest_slots=2, price_transfers=False)
+
+    def body(x, ids, gates, wg, wu, wd):
+        y, stats = moe_dispatch(x, ids, gates, ExpertWeights(wg, wu, wd), jnp.asarray(placement), planner,
+                                backend="dense", hierarchical=hierarchical)
+        return y, stats.plan.slot_expert[None]
+
+    fn = jax.shard_map(body, mesh=make_mesh(topo), in_specs=(SPEC,) * 6, out_specs=(SPEC, SPEC))
+
+    def stored(w):  # row r * H + h holds expert placement[r, h]
+        return ExpertWeights(*(a[placement.reshape(-1)] for a in w))
+
+    def loss(x, gates, w, ids):
+        y = fn(x, ids, gates, *stored(w))[0]
+        return (jnp.sin(y) * y).sum()
+
+    x, ids, gates, w = make_inputs()
+    y, slots = jax.jit(fn)(x, ids, gates, *stored(w))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(reference(x, ids, gates, w)), atol=ATOL, rtol=0)
+    np.testing.assert_array_equal(np.asarray(slots)[0][:, :E // R], placement)
+    assert (np.asarray(slots)[0][:, E // R:] >= 0).any()
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, gates, w, ids)
+    want = jax.grad(ref_loss, argnums=(0, 1, 2))(x, gates, w, ids)
+    for got, exp in zip(jax.tree.leaves(grad), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(exp), atol=ATOL, rtol=0)

@@ -181,6 +181,21 @@ def unpriced_topoep():
 
 @settings(max_examples=40)
 @given(load=loads)
+def test_plans_are_valid_for_any_placement(load):
+    """Homes need not be contiguous: for a random placement every plan keeps it in its home slots,
+    conserves every source's pairs, and topoep (unpriced) balances no worse than no balancing."""
+    counts = adversarial(load[0], 8 * R, load[1], load[2])
+    placement = np.random.default_rng(load[2]).permutation(8 * R).reshape(R, 8).astype(np.int32)
+    for name in PLANNERS:
+        plan = jitted(name, 8 * R, 0 if name == "none" else 2)[1](counts, placement)
+        check_plan(plan, counts, placement)
+    spread = unpriced_topoep()(counts, placement)
+    check_plan(spread, counts, placement)
+    assert imbalance(spread) <= imbalance(jitted("none", 8 * R, 0)[1](counts, placement)) + 1e-6
+
+
+@settings(max_examples=40)
+@given(load=loads)
 def test_plans_given_held_copies_are_valid(load):
     """held (the guest experts each rank holds from the previous micro-batch): every plan stays
     valid, and topoep's (unpriced, so that it makes copies here) stays no worse than no balancing."""

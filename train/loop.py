@@ -23,6 +23,7 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
+from orbax.checkpoint import multihost as ocp_multihost
 from tqdm import tqdm
 
 from jtopoep.config import MoEConfig, RunConfig, config_to_dict
@@ -220,6 +221,12 @@ class Trainer:
         self.micro_batch_sharding = NamedSharding(self.mesh, P(None, self.mesh.axis_names))
         self.model = create_sharded_model(config, self.topology, self.mesh)
         self.optimizer = nnx.Optimizer(self.model, make_optimizer(config), wrt=nnx.Param)
+        if jax.process_count() > 1:
+            # The first collective follows; Gloo gives a late peer only 30 s there, and processes
+            # that build data and compile under load can be further apart. The distributed
+            # service's barrier waits up to the peer timeout instead.
+            ocp_multihost.sync_global_processes("jtopoep: model created", timeout=int(peer_timeout),
+                                                processes=set(range(jax.process_count())))
         replicate_unplaced(self.optimizer, self.mesh)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", config.train.keep_checkpoints)
         self.train_step = make_train_step(config.moe, self.mesh)
