@@ -46,7 +46,6 @@ def fit_relays(route: Int[Array, "R R S"], relay_rows: int, gpus_per_node: int) 
     """The route with each relay's pairs cut to relay_rows, in (source node, destination gpu, slot)
     order: the order in which it forwards them."""
     num_ranks, _, num_slots = route.shape
-    nodes = num_ranks // gpus_per_node
     by_relay = relay_pairs(route, gpus_per_node)
     flat = by_relay.reshape(num_ranks, -1)
     kept = jnp.clip(relay_rows - exclusive_cumsum(flat, axis=1), 0, flat)
