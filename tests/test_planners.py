@@ -25,7 +25,7 @@ def imbalance(plan):
 
 
 @pytest.mark.parametrize("num_experts,guest_slots", SETTINGS)
-@settings(max_examples=200)
+@settings(max_examples=100)  # x 6 settings x 4 planners
 @given(load=loads)
 def test_every_plan_is_valid(num_experts, guest_slots, load):
     counts = adversarial(load[0], num_experts, load[1], load[2])
