@@ -51,7 +51,8 @@ from jtopoep.plan import Plan, home_plan
 from jtopoep.planners.base import PlannerBase
 from jtopoep.planners.none import NonePlanner
 from jtopoep.ordering import inverse_permutation, stable_order
-from jtopoep.relay import fit_relays, node_rows, relay_dispatch, relay_worst_rows
+from jtopoep.metrics import inter_node_pairs
+from jtopoep.relay import fit_relays, relay_dispatch, relay_worst_rows
 from jtopoep.transport import exchange, exclusive_cumsum, regroup
 
 
@@ -186,7 +187,6 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
     num_pairs = num_tokens * top_k
     num_ranks, num_experts = topology.num_ranks, planner.num_experts
     me = _my_rank(gpus, axes)
-    move = dict(gpus_per_node=gpus, backend=backend, axes=axes)
 
     with jax.named_scope("plan"):
         flat_ids = expert_ids.reshape(-1).astype(jnp.int32)
@@ -220,8 +220,7 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
     if num_slots > home:
         with jax.named_scope("guest_weights"):
             guest = fetch_guest_weights(weights, plan.slot_expert[:, home:], placement, me, previous=previous,
-                                        chunks=weight_chunks,
-                                        **{k: move[k] for k in ("gpus_per_node", "backend")})
+                                        chunks=weight_chunks, gpus_per_node=gpus, backend=backend)
         copies = GuestCopies(plan.slot_expert[:, home:], join_hidden(guest))
 
     def experts(rows):
@@ -229,10 +228,8 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
 
     if relay:
         with jax.named_scope("relay_dispatch"):
-            dest = dest.reshape(num_tokens, top_k)
-            rows = jax.lax.all_gather(node_rows(dest, num_slots, topology.num_nodes, gpus), axes)  # [R, N]
-            y = relay_dispatch(x, gates, dest, route, rows, experts, gpus_per_node=gpus, relay_rows=relay_rows,
-                               recv_rows=recv_rows, backend=move["backend"], axes=axes)
+            y, rows = relay_dispatch(x, gates, dest.reshape(num_tokens, top_k), route, experts, gpus_per_node=gpus,
+                                     relay_rows=relay_rows, recv_rows=recv_rows, backend=backend, axes=axes)
         own_node = jnp.arange(num_ranks) // gpus
         scaleout = jnp.where(own_node[:, None] != jnp.arange(topology.num_nodes)[None, :], rows, 0).sum()
         return y, DispatchStats(counts, plan, dropped, scaleout, copies)
@@ -243,6 +240,7 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
         sizes = route.sum(2)  # [s, d]
 
     with jax.named_scope("dispatch"):
+        move = dict(gpus_per_node=gpus, backend=backend, axes=axes)
         received = exchange(tokens, sizes, out_rows=recv_rows, **move)
         by_slot = regroup(received, my_route)
     out = experts(by_slot)
@@ -252,6 +250,4 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
         returned = exchange(back, sizes.T, out_rows=num_pairs, capacity=num_pairs, **move)
         per_pair = returned[inverse_permutation(send_order)].reshape(num_tokens, top_k, -1)
         y = jnp.einsum("tkd,tk->td", per_pair, gates.astype(per_pair.dtype))
-    node_of = jnp.arange(num_ranks) // gpus
-    scaleout = jnp.where(node_of[:, None] != node_of[None, :], sizes, 0).sum()
-    return y, DispatchStats(counts, plan, dropped, scaleout, copies)
+    return y, DispatchStats(counts, plan, dropped, inter_node_pairs(Plan(plan.slot_expert, route), gpus), copies)

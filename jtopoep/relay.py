@@ -65,24 +65,17 @@ def _first_of_node(dest_node: Int[Array, "T k"], num_nodes: int) -> Array:
     return (dest_node < num_nodes) & ~(same & earlier).any(-1)
 
 
-def node_rows(dest: Int[Array, "T k"], num_slots: int, num_nodes: int, gpus_per_node: int) -> Int[Array, " N"]:
-    """Distinct (token, node) rows this source sends each node: the stage-1 sizes (dest: each pair's
-    flat destination slot d * S + j, R * S when it is sent nowhere)."""
-    dest_node = dest // num_slots // gpus_per_node
-    first = _first_of_node(dest_node, num_nodes)
-    return jnp.zeros(num_nodes + 1, jnp.int32).at[jnp.where(first, dest_node, num_nodes)].add(1)[:num_nodes]
-
-
 def relay_dispatch(x: Float[Array, "T D"], gates: Float[Array, "T k"], dest: Int[Array, "T k"],
-                   route: Int[Array, "R R S"], rows_to_nodes: Int[Array, "R N"], expert_fn, *,
-                   gpus_per_node: int, relay_rows: int, recv_rows: int, backend: str,
-                   axes: tuple[str, str] = ("node", "gpu")) -> Float[Array, "T D"]:
-    """The gate-weighted sum over each token's pairs of its experts' outputs, moved as described above.
+                   route: Int[Array, "R R S"], expert_fn, *, gpus_per_node: int, relay_rows: int, recv_rows: int,
+                   backend: str, axes: tuple[str, str] = ("node", "gpu")
+                   ) -> tuple[Float[Array, "T D"], Int[Array, "R N"]]:
+    """The gate-weighted sum over each token's pairs of its experts' outputs, moved as described above,
+    and the stage-1 sizes: distinct (token, node) rows from every source to every node.
 
     dest: each pair's flat destination slot d * S + j (R * S: sent nowhere, it adds nothing); route:
-    the plan's route after every cut (it must agree with dest); rows_to_nodes: node_rows of every
-    source. expert_fn maps this rank's received rows [recv_rows, D], grouped by slot (route[:, me]
-    summed over sources for each slot, slots in order), to their outputs."""
+    the plan's route after every cut (it must agree with dest). expert_fn maps this rank's received
+    rows [recv_rows, D], grouped by slot (route[:, me] summed over sources for each slot, slots in
+    order), to their outputs."""
     node_axis, gpu_axis = axes
     num_tokens, top_k = dest.shape
     num_ranks, _, num_slots = route.shape
@@ -100,6 +93,7 @@ def relay_dispatch(x: Float[Array, "T D"], gates: Float[Array, "T k"], dest: Int
     first = _first_of_node(dest_node, nodes)
     reaches = jnp.zeros((nodes + 1, num_tokens), bool).at[
         jnp.where(first, dest_node, nodes), jnp.arange(num_tokens)[:, None]].set(True)[:nodes]  # [N, T]
+    rows_to_nodes = jax.lax.all_gather(reaches.sum(1, dtype=jnp.int32), axes)  # [R, N]
     send_rows = num_tokens * min(top_k, nodes)  # the most distinct (token, node) rows a source has
     row_of = exclusive_cumsum(reaches.reshape(-1).astype(jnp.int32)).reshape(nodes, num_tokens)
     (sent,) = jnp.nonzero(reaches.reshape(-1), size=send_rows, fill_value=nodes * num_tokens)
@@ -154,4 +148,4 @@ def relay_dispatch(x: Float[Array, "T D"], gates: Float[Array, "T k"], dest: Int
     for i in range(top_k):
         at = row_of[jnp.minimum(dest_node[:, i], nodes - 1), jnp.arange(num_tokens)]
         y += jnp.where(first[:, i:i + 1], home[jnp.minimum(at, send_rows - 1)].astype(jnp.float32), 0)
-    return y.astype(dtype)
+    return y.astype(dtype), rows_to_nodes
