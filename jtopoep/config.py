@@ -182,6 +182,11 @@ class MoEConfig:
     z_loss_coef: float = 0.001  # router z-loss
     bias_balancing: bool = False  # auxiliary-loss-free balancing (DeepSeek-V3) via a routing bias
     bias_update_rate: float = 0.001  # bias step per update, in logit units
+    # Every this many steps, move the home experts (jtopoep.homes): a new placement from the layer's
+    # averaged loads and co-activation, weights and optimizer moments migrated by all-to-all. 0: never.
+    replace_every: int = 0
+    # Decay per step of those averages (exponential moving averages kept in the model state).
+    load_decay: float = 0.9
 
     def __post_init__(self):
         _choice("moe", self, "planner", PLANNERS)
@@ -191,7 +196,8 @@ class MoEConfig:
         _choice("moe", self, "gemm", GEMMS)
         _require(self.hierarchical in (True, False, "auto"), "moe.hierarchical", self.hierarchical,
                  "true, false or 'auto' (on when the topology has more than one node)")
-        _non_negative("moe", self, "guest_slots", "max_nodes", "min_gain", "aux_loss_coef", "z_loss_coef",
+        _require(0 <= self.load_decay < 1, "moe.load_decay", self.load_decay, "a value in [0, 1)")
+        _non_negative("moe", self, "replace_every", "guest_slots", "max_nodes", "min_gain", "aux_loss_coef", "z_loss_coef",
                       "bias_update_rate")
         _positive("moe", self, "sinkhorn_epsilon", "sinkhorn_iters", "guest_weight_chunks")
         _require(self.recv_capacity_factor == 0 or self.recv_capacity_factor >= 1, "moe.recv_capacity_factor",

@@ -23,6 +23,7 @@ from jtopoep.config import MoEConfig
 from jtopoep.costmodel import ExpertDims
 from jtopoep.dispatch import moe_dispatch, receive_rows
 from jtopoep.guests import ExpertWeights, GuestCopies, kept_slots
+from jtopoep.homes import coactivation
 from jtopoep.metrics import counts_imbalance, imbalance, inter_node_pairs
 from jtopoep.plan import contiguous_placement, plan_fingerprint
 from jtopoep.planners import get_planner
@@ -36,6 +37,15 @@ class ExpertParam(nnx.Param):
 
 class RouterBias(nnx.Variable):
     """Non-trained routing bias for auxiliary-loss-free balancing, updated in the train step."""
+
+
+class Placement(nnx.Variable):
+    """i32[R, H]: the logical expert in each home slot, replicated; the expert weights (and their
+    optimizer moments) are stored in this order. Changed only by a re-placement (jtopoep.migration)."""
+
+
+class RoutingAverage(nnx.Variable):
+    """An exponential moving average of routing statistics the re-placement reads (not trained)."""
 
 
 def make_planner(moe: MoEConfig, topology: Topology, num_experts: int, dims: ExpertDims):
@@ -70,6 +80,23 @@ class MoELayer(nnx.Module):
         self.w_down = ExpertParam(nnx.initializers.normal(stddev=expert_hidden ** -0.5)(
             rngs.params(), (num_experts, expert_hidden, d_model)))
         self.bias = RouterBias(jnp.zeros(num_experts)) if moe.bias_balancing else None
+        self.placement = Placement(contiguous_placement(topology.num_ranks, num_experts))
+        if moe.replace_every:
+            self.load_average = RoutingAverage(jnp.zeros(num_experts))
+            self.coactivation_average = RoutingAverage(jnp.zeros((num_experts, num_experts)))
+        else:
+            self.load_average = self.coactivation_average = None
+
+    @property
+    def tracks_routing(self) -> bool:
+        """Whether the layer keeps the averages a re-placement reads (moe.replace_every > 0)."""
+        return self.load_average is not None
+
+    def observe(self, loads: Float[Array, " E"], coactivations: Float[Array, "E E"]) -> None:
+        """Fold one step's loads and co-activation counts into the averages (moe.load_decay)."""
+        decay = self.moe.load_decay
+        for average, value in ((self.load_average, loads), (self.coactivation_average, coactivations)):
+            average.set_value(decay * average.get_value() + (1 - decay) * value.astype(jnp.float32))
 
     def recv_rows(self, tokens_per_rank: int) -> int:
         """Rows of each rank's receive buffer for T tokens per rank (moe.recv_capacity_factor)."""
@@ -99,16 +126,15 @@ class MoELayer(nnx.Module):
         batch_axes = tuple(a for a in self.mesh.axis_names)
         token_spec = P(batch_axes)
         expert_spec = P(EP_AXES)
-        num_ranks = self.topology.num_ranks
-        placement = contiguous_placement(num_ranks, self.planner.num_experts)
         moe = self.moe
+        tracks = self.tracks_routing
         bias = None if self.bias is None else self.bias.get_value()
         keep = previous is not None
         if keep and not self.makes_copies:
             raise ValueError(f"previous guest copies were passed to a layer that makes none (planner "
                              f"{moe.planner!r}, guest_slots {moe.guest_slots})")
 
-        def body(x, router, w_gate, w_up, w_down, bias, previous):
+        def body(x, router, w_gate, w_up, w_down, bias, previous, placement):
             b, length, d = x.shape
             if keep:
                 previous = GuestCopies(previous.experts[0], previous.weights)  # this device's [R, K]
@@ -137,6 +163,11 @@ class MoELayer(nnx.Module):
             }
             if len(batch_axes) > len(EP_AXES):  # expert-parallel groups side by side: any of them
                 scalars["plans_differ"] = jax.lax.pmax(scalars["plans_differ"], batch_axes)
+            if tracks:  # integer sums: every device gets the same totals whatever the reduction order
+                ids = routed.expert_ids.astype(jnp.int32)
+                local = jnp.zeros(self.planner.num_experts, jnp.int32).at[ids.reshape(-1)].add(1)
+                scalars["loads"] = jax.lax.psum(local, batch_axes)
+                scalars["coactivation"] = jax.lax.psum(coactivation(ids, self.planner.num_experts), batch_axes)
             per_device = {
                 "imbalance_before": counts_imbalance(stats.counts, placement),
                 "imbalance_after": imbalance(stats.plan),
@@ -155,12 +186,15 @@ class MoELayer(nnx.Module):
 
         stats_spec = {"aux_loss": P(), "z_loss": P(), "nonfinite_router": P(), "nonfinite_output": P(),
                       "plans_differ": P()}
+        if tracks:
+            stats_spec.update(loads=P(), coactivation=P())
         held_spec = GuestCopies(token_spec, ExpertWeights(token_spec, token_spec, token_spec)) if keep else P()
         fn = jax.shard_map(body, mesh=self.mesh,
-                           in_specs=(token_spec, P(), expert_spec, expert_spec, expert_spec, P(), held_spec),
+                           in_specs=(token_spec, P(), expert_spec, expert_spec, expert_spec, P(), held_spec, P()),
                            out_specs=(token_spec, stats_spec, P(batch_axes), held_spec))
         w_gate, w_up, w_down = (w.get_value().astype(x.dtype) for w in (self.w_gate, self.w_up, self.w_down))
-        y, scalars, per_device, held = fn(x, self.router.get_value(), w_gate, w_up, w_down, bias, previous)
+        y, scalars, per_device, held = fn(x, self.router.get_value(), w_gate, w_up, w_down, bias, previous,
+                                          self.placement.get_value())
         # Every rank of an expert-parallel group holds the same counts and plan: report the first group's.
         stats = {**scalars, **jax.tree.map(lambda a: a[0], per_device)}
         if keep:

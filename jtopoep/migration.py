@@ -1,0 +1,72 @@
+"""Moving home experts to a new placement: their weights and optimizer moments, by all-to-all.
+
+An expert-axis array (expert weights, AdamW's first and second moments) is stored in home-slot order:
+row r * H + h holds expert placement[r, h], and rank r holds rows [r * H, (r + 1) * H). A new placement
+moves each expert from its old slot to its new one. Every rank sends each of its H rows to the expert's
+new rank in one ragged all-to-all over the expert-parallel axes (jtopoep.transport; the sizes [R, R]
+follow from the two placements, which every rank holds), then puts the H rows it received in its new
+slots. No host round trip, and the values arrive bit for bit: the result equals a gather of the old
+array by the permutation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+from jaxtyping import Array, Int, Shaped
+
+from jtopoep.plan import home_rank_of_experts
+from jtopoep.topology import EP_AXES, Topology
+from jtopoep.transport import exchange
+
+
+def migration_sizes(old: Int[Array, "R H"], new: Int[Array, "R H"]) -> Int[Array, "R R"]:
+    """[s, d]: experts whose home moves from rank s to rank d (the diagonal: those that stay)."""
+    num_ranks = old.shape[0]
+    source, dest = home_rank_of_experts(old), home_rank_of_experts(new)
+    return jnp.zeros((num_ranks, num_ranks), jnp.int32).at[source, dest].add(1)
+
+
+def slot_permutation(old: Int[Array, "R H"], new: Int[Array, "R H"]) -> Int[Array, " E"]:
+    """[E]: for each new home slot, the old slot its expert comes from (new_array = old_array[perm])."""
+    old_slot = jnp.zeros(old.size, jnp.int32).at[old.reshape(-1)].set(jnp.arange(old.size, dtype=jnp.int32))
+    return old_slot[new.reshape(-1)]
+
+
+def migrate_local(rows: Shaped[Array, "H *feat"], old: Int[Array, "R H"], new: Int[Array, "R H"], *,
+                  gpus_per_node: int, backend: str = "auto",
+                  axes: tuple[str, str] = EP_AXES) -> Shaped[Array, "H *feat"]:
+    """This rank's home rows under the new placement; call inside shard_map over `axes`."""
+    home = old.shape[1]
+    me = jax.lax.axis_index(axes[0]) * gpus_per_node + jax.lax.axis_index(axes[1])
+    new_rank = home_rank_of_experts(new)
+    # Send: my rows in order of their new rank (stable, so by slot within a destination).
+    dest = new_rank[jax.lax.dynamic_index_in_dim(old, me, 0, keepdims=False)]
+    send_order = jnp.argsort(dest, stable=True)
+    received = exchange(rows[send_order], migration_sizes(old, new), out_rows=home, gpus_per_node=gpus_per_node,
+                        backend=backend, capacity=home, axes=axes)
+    # Received: by source rank, within a source by its slot, so in order of the experts' old global
+    # slot. My new slot j takes the row whose old slot ranks where expert new[me, j]'s does.
+    old_slot = slot_permutation(old, new).reshape(new.shape)
+    mine = jax.lax.dynamic_index_in_dim(old_slot, me, 0, keepdims=False)
+    position = jnp.argsort(jnp.argsort(mine))
+    return received[position]
+
+
+def migrate(array: Shaped[Array, "E *feat"], old: Int[Array, "R H"], new: Int[Array, "R H"], mesh: Mesh,
+            topology: Topology, *, backend: str = "auto") -> Shaped[Array, "E *feat"]:
+    """An expert-axis array, sharded over the expert-parallel axes, moved to the new placement."""
+    spec = P(EP_AXES)
+    fn = jax.shard_map(lambda rows, old, new: migrate_local(rows, old, new, gpus_per_node=topology.gpus_per_node,
+                                                            backend=backend),
+                       mesh=mesh, in_specs=(spec, P(), P()), out_specs=spec)
+    return fn(array, old, new)
+
+
+def migration_traffic(old: Int[Array, "R H"], new: Int[Array, "R H"], gpus_per_node: int) -> dict[str, Array]:
+    """Experts that move home, within a node and across nodes, and which ones ([E] bool)."""
+    source, dest = home_rank_of_experts(old), home_rank_of_experts(new)
+    moved = source != dest
+    across = moved & (source // gpus_per_node != dest // gpus_per_node)
+    return {"moved": moved, "moved_intra": (moved & ~across).sum(), "moved_inter": across.sum()}
