@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Real
 
 from jtopoep.config import MoEConfig
 from jtopoep.costmodel import ExpertDims
@@ -92,7 +92,7 @@ class MoELayer(nnx.Module):
         """Whether the layer keeps the averages a re-placement reads (moe.replace_every > 0)."""
         return self.load_average is not None
 
-    def observe(self, loads: Float[Array, " E"], coactivations: Float[Array, "E E"]) -> None:
+    def observe(self, loads: Real[Array, " E"], coactivations: Real[Array, "E E"]) -> None:
         """Fold one step's loads and co-activation counts into the averages (moe.load_decay)."""
         decay = self.moe.load_decay
         for average, value in ((self.load_average, loads), (self.coactivation_average, coactivations)):

@@ -13,23 +13,29 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
+from jax.typing import ArrayLike
 from jaxtyping import Array, Int, Shaped
 
+from jtopoep.homes import replace_homes
+from jtopoep.layer import ExpertParam, MoELayer
 from jtopoep.plan import home_rank_of_experts
 from jtopoep.topology import EP_AXES, Topology
 from jtopoep.transport import exchange
 
 
-def migration_sizes(old: Int[Array, "R H"], new: Int[Array, "R H"]) -> Int[Array, "R R"]:
+def migration_sizes(old: Int[ArrayLike, "R H"], new: Int[ArrayLike, "R H"]) -> Int[Array, "R R"]:
     """[s, d]: experts whose home moves from rank s to rank d (the diagonal: those that stay)."""
+    old, new = jnp.asarray(old), jnp.asarray(new)
     num_ranks = old.shape[0]
     source, dest = home_rank_of_experts(old), home_rank_of_experts(new)
     return jnp.zeros((num_ranks, num_ranks), jnp.int32).at[source, dest].add(1)
 
 
-def slot_permutation(old: Int[Array, "R H"], new: Int[Array, "R H"]) -> Int[Array, " E"]:
+def slot_permutation(old: Int[ArrayLike, "R H"], new: Int[ArrayLike, "R H"]) -> Int[Array, " E"]:
     """[E]: for each new home slot, the old slot its expert comes from (new_array = old_array[perm])."""
+    old, new = jnp.asarray(old), jnp.asarray(new)
     old_slot = jnp.zeros(old.size, jnp.int32).at[old.reshape(-1)].set(jnp.arange(old.size, dtype=jnp.int32))
     return old_slot[new.reshape(-1)]
 
@@ -64,9 +70,41 @@ def migrate(array: Shaped[Array, "E *feat"], old: Int[Array, "R H"], new: Int[Ar
     return fn(array, old, new)
 
 
-def migration_traffic(old: Int[Array, "R H"], new: Int[Array, "R H"], gpus_per_node: int) -> dict[str, Array]:
+def migration_traffic(old: Int[ArrayLike, "R H"], new: Int[ArrayLike, "R H"], gpus_per_node: int
+                      ) -> dict[str, Array]:
     """Experts that move home, within a node and across nodes, and which ones ([E] bool)."""
+    old, new = jnp.asarray(old), jnp.asarray(new)
     source, dest = home_rank_of_experts(old), home_rank_of_experts(new)
     moved = source != dest
     across = moved & (source // gpus_per_node != dest // gpus_per_node)
     return {"moved": moved, "moved_intra": (moved & ~across).sum(), "moved_inter": across.sum()}
+
+
+def rehome(model: nnx.Module, optimizer: nnx.Optimizer | None = None, *, backend: str = "auto") -> list[dict[str, Array]]:
+    """Re-place the home experts of every MoE layer of `model` that keeps routing averages
+    (moe.replace_every) and move its expert weights, and the optimizer's state of them (AdamW's
+    moments: every optimizer leaf at a weight's path with its shape), to the new ranks. Call inside
+    nnx.jit; every rank computes the same placements. Returns per layer the experts that moved
+    (jtopoep.migration.migration_traffic)."""
+    opt_state = None if optimizer is None else nnx.state(optimizer)
+    opt_leaves = [] if opt_state is None else nnx.to_flat_state(opt_state)
+    traffic = []
+    for path, layer in nnx.iter_graph(model):
+        if not isinstance(layer, MoELayer) or not layer.tracks_routing:
+            continue
+        old = layer.placement.get_value()
+        new = replace_homes(layer.load_average.get_value(), layer.coactivation_average.get_value(), old, layer.topology)
+        move = lambda a: migrate(a, old, new, layer.mesh, layer.topology, backend=backend)  # noqa: E731
+        for name, weight in vars(layer).items():
+            if not isinstance(weight, ExpertParam):
+                continue
+            weight_path = tuple(path) + (name,)
+            for leaf_path, leaf in opt_leaves:
+                if tuple(leaf_path[-len(weight_path):]) == weight_path and leaf.get_value().shape == weight.shape:
+                    leaf.set_value(move(leaf.get_value()))
+            weight.set_value(move(weight.get_value()))
+        layer.placement.set_value(new)
+        traffic.append(migration_traffic(old, new, layer.topology.gpus_per_node))
+    if optimizer is not None:
+        nnx.update(optimizer, opt_state)
+    return traffic

@@ -83,6 +83,70 @@ def test_resume_matches_uninterrupted(devices, tmp_path):
         np.testing.assert_array_equal(trace["step"], [1, 2, 3, 4])
 
 
+def test_rehome_moves_weights_and_moments_bitwise(devices, tmp_path):
+    """A re-placement moves every expert's weights and AdamW moments to its new slot bit for bit (a
+    gather by the permutation), and the model computes the same loss."""
+    from jtopoep.migration import slot_permutation
+
+    trainer = Trainer(tiny(tmp_path, "move", moe={"replace_every": 2}))
+    trainer._step(0)  # averages and moments from one step
+    layers = trainer.model.moe_layers()
+    before_model = jax.device_get(nnx.to_flat_state(nnx.state(trainer.model)))
+    before_opt = jax.device_get(nnx.to_flat_state(nnx.state(trainer.optimizer)))
+    old = [np.asarray(layer.placement.get_value()) for layer in layers]
+    batch = trainer._device_batch(0, "eval")
+    loss_before = float(trainer.eval_step(trainer.model, batch)[0])
+    moved = jax.device_get(trainer.rehome_step(trainer.model, trainer.optimizer))
+    new = [np.asarray(layer.placement.get_value()) for layer in layers]
+    assert moved["moved"].any() and any((a != b).any() for a, b in zip(old, new))
+    perms = [np.asarray(slot_permutation(a, b)) for a, b in zip(old, new)]
+    after_model = dict(jax.device_get(nnx.to_flat_state(nnx.state(trainer.model))))
+    after_opt = dict(jax.device_get(nnx.to_flat_state(nnx.state(trainer.optimizer))))
+    checked = 0
+    for before, after in ((before_model, after_model), (before_opt, after_opt)):
+        for path, value in before:
+            value, got = np.asarray(value.get_value()), np.asarray(after[path].get_value())
+            name = path[-1]
+            if name in ("w_gate", "w_up", "w_down"):
+                np.testing.assert_array_equal(got, value[perms[path[-3]]])
+                checked += 1
+            elif name != "placement":
+                np.testing.assert_array_equal(got, value)
+    assert checked == 3 * 3 * len(layers)  # weights, first and second moments
+    assert float(trainer.eval_step(trainer.model, batch)[0]) == pytest.approx(loss_before, rel=1e-6)
+
+
+def test_replacement_tracks_losses_and_resumes_across_it(devices, tmp_path):
+    """Re-placing every 2 steps gives the losses of a run without it up to float rounding; a run
+    stopped after the re-placement's checkpoint resumes with its placement and the same losses."""
+    Trainer(tiny(tmp_path, "fixed")).run()
+    config = tiny(tmp_path, "moving", moe={"replace_every": 2})
+    Trainer(config).run()
+    np.testing.assert_allclose(losses(tmp_path / "moving"), losses(tmp_path / "fixed"), rtol=2e-5, atol=0)
+    rows = [json.loads(line) for line in (tmp_path / "moving" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[1]["moved_experts"] and len(rows[1]["migration_bytes_inter"]) == 2
+    assert "moved_experts" not in rows[3]  # not at the last step
+    with np.load(tmp_path / "moving" / "counts.npz") as trace:
+        placement = trace["placement"]
+    assert placement.shape == (4, 2, 8, 2) and (placement[2] != placement[1]).any()
+    killed = tiny(tmp_path, "killed", moe={"replace_every": 2})
+    trainer = Trainer(killed)
+
+    def stop(_trainer, step, _row):
+        if step == 3:
+            raise Stop
+
+    trainer.add_hook(stop)
+    with pytest.raises(Stop):
+        trainer.run()
+    trainer.checkpointer.close()
+    resumed = Trainer(killed)
+    resumed.run()
+    assert losses(tmp_path / "killed") == pytest.approx(losses(tmp_path / "moving"), rel=1e-6, abs=0)
+    with np.load(tmp_path / "killed" / "counts.npz") as trace:
+        np.testing.assert_array_equal(trace["placement"], placement)
+
+
 def poison_step(trainer, at_call: int, change) -> None:
     """Make the trainer's `at_call`-th step return change(its summary): a failure injected on the
     host, so the test reuses the step already compiled for these settings."""

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from jtopoep.config import MoEConfig, RunConfig, config_to_dict
 from jtopoep.layer import ExpertParam
+from jtopoep.migration import rehome
 from jtopoep.router import bias_update
 from jtopoep.topology import EP_AXES, make_mesh
 from models.moe_transformer import MoETransformer
@@ -160,6 +161,9 @@ def make_train_step(moe: MoEConfig, mesh):
     def train_step(model, optimizer, tokens):
         loss, ce, stats, grads = accumulated_grads(model, tokens, moe)
         optimizer.update(model, grads)
+        if moe.replace_every:  # the averages a re-placement reads, from all micro-batches of the step
+            for layer, layer_stats in zip(model.moe_layers(), stats):
+                layer.observe(layer_stats["loads"].sum(0), layer_stats["coactivation"].sum(0))
         if moe.bias_balancing:
             # One bias update per optimizer step, from the loads of all its micro-batches.
             for layer, layer_stats in zip(model.moe_layers(), stats):
@@ -172,6 +176,24 @@ def make_train_step(moe: MoEConfig, mesh):
         return jax.lax.with_sharding_constraint(summary, replicated)
 
     return train_step
+
+
+@functools.lru_cache(maxsize=None)
+def make_rehome_step(moe: MoEConfig, mesh):
+    """The jitted re-placement (moe.replace_every): every MoE layer's new placement, its expert
+    weights and their AdamW moments migrated (jtopoep.migration.rehome). Returns, replicated, per
+    layer the placement [layers, R, H], which experts moved [layers, E] and how many moved within a
+    node and across nodes."""
+    replicated = NamedSharding(mesh, P())
+
+    @nnx.jit
+    def rehome_step(model, optimizer):
+        traffic = rehome(model, optimizer, backend=moe.transport)
+        out = {key: jnp.stack([t[key] for t in traffic]) for key in ("moved", "moved_intra", "moved_inter")}
+        out["placement"] = jnp.stack([layer.placement.get_value() for layer in model.moe_layers()])
+        return jax.lax.with_sharding_constraint(out, replicated)
+
+    return rehome_step
 
 
 @functools.lru_cache(maxsize=None)
@@ -228,13 +250,16 @@ class Trainer:
             ocp_multihost.sync_global_processes("jtopoep: model created", timeout=int(peer_timeout),
                                                 processes=set(range(jax.process_count())))
         replicate_unplaced(self.optimizer, self.mesh)
+        self._host_placement: np.ndarray | None = None
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", config.train.keep_checkpoints)
         self.train_step = make_train_step(config.moe, self.mesh)
         self.eval_step = make_eval_step(config.moe, self.mesh)
+        self.rehome_step = make_rehome_step(config.moe, self.mesh) if config.moe.replace_every else None
         self.hooks: list[Hook] = []
         # The routing trace: [layers, R, E] per micro-batch, and the step each belongs to.
         self.counts: list[np.ndarray] = []
         self.count_steps: list[int] = []
+        self.placements: list[np.ndarray] = []  # [layers, R, H] each entry was routed under
 
     def add_hook(self, fn: Callable[["Trainer", int, dict], None], every: int = 1) -> None:
         """Call fn(trainer, step, metrics) after every `every`-th step."""
@@ -264,6 +289,7 @@ class Trainer:
     def _resume(self) -> int:
         """Restore the newest readable checkpoint and cut the log and trace back to its step."""
         step = self.checkpointer.restore_latest(self.model, self.optimizer)
+        self._host_placement = None
         metrics_path, trace_path = self.run_dir / "metrics.jsonl", self.run_dir / "counts.npz"
         if step is None:
             if self.is_main:
@@ -272,7 +298,7 @@ class Trainer:
             return 0
         if self.is_main:  # the one process that writes the log and the trace reads them back
             records.keep_rows(metrics_path, step)
-            self.counts, self.count_steps = records.read_trace(trace_path, step)
+            self.counts, self.count_steps, self.placements = records.read_trace(trace_path, step)
         return step
 
     def _save(self, step: int) -> None:
@@ -280,7 +306,7 @@ class Trainer:
         if self.checkpointer.latest_step() != step:
             self.checkpointer.save(step, self.model, self.optimizer)
         if self.is_main and self.counts:
-            records.write_trace(self.run_dir / "counts.npz", self.counts, self.count_steps)
+            records.write_trace(self.run_dir / "counts.npz", self.counts, self.count_steps, self.placements)
 
     def _last_good(self) -> str:
         step = self.checkpointer.latest_step()
@@ -334,6 +360,7 @@ class Trainer:
         self._check(summary, done)
         self.counts.extend(np.asarray(summary["counts"]))  # one [layers, R, E] entry per micro-batch
         self.count_steps.extend([done] * t.microbatches)
+        self.placements.extend([self._placement()] * t.microbatches)
         # Per layer: imbalance averaged over the step's micro-batches, pairs and copies summed.
         row = {"step": done, "loss": float(summary["loss"]), "ce": float(summary["ce"]),
                "tokens_per_s": t.batch_size * self.config.model.seq_len / seconds, "step_s": seconds,
@@ -347,9 +374,29 @@ class Trainer:
                # Guest copies made, and those kept from the step's previous micro-batch (not fetched).
                "guest_copies": np.asarray(summary["guest_copies"]).sum(0).tolist(),
                "kept_copies": np.asarray(summary["kept_copies"]).sum(0).tolist()}
+        if self.rehome_step is not None and done % self.config.moe.replace_every == 0 and done < t.steps:
+            row.update(self._rehome())
         if done % t.eval_every == 0 or done == t.steps:
             row["eval_loss"] = self.evaluate()
         return row
+
+    def _placement(self) -> np.ndarray:
+        """[layers, R, H]: each MoE layer's home placement now (a host copy, read after a change)."""
+        if self._host_placement is None:
+            self._host_placement = np.stack(jax.device_get([layer.placement.get_value()
+                                                            for layer in self.model.moe_layers()]))
+        return self._host_placement
+
+    def _rehome(self) -> dict:
+        """Move the home experts (moe.replace_every); what moved, for the metrics row."""
+        result = jax.device_get(self.rehome_step(self.model, self.optimizer))
+        self._host_placement = np.asarray(result["placement"])
+        # Weights and AdamW's two moments, float32, of each moved expert.
+        m = self.config.model
+        expert_bytes = 3 * 3 * m.d_model * m.expert_hidden * 4
+        return {"moved_experts": [np.flatnonzero(moved).tolist() for moved in result["moved"]],
+                "migration_bytes_intra": (np.asarray(result["moved_intra"]) * expert_bytes).tolist(),
+                "migration_bytes_inter": (np.asarray(result["moved_inter"]) * expert_bytes).tolist()}
 
     def run(self) -> dict:
         """Train to train.steps from the newest checkpoint; the last step's metrics row. SIGTERM or

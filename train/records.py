@@ -44,26 +44,33 @@ def append_row(path: pathlib.Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def read_trace(path: pathlib.Path, step: int) -> tuple[list[np.ndarray], list[int]]:
-    """The routing trace's entries up to `step`. A damaged trace is kept aside as counts.npz.damaged,
-    with a warning, and the trace starts again after this step."""
+def read_trace(path: pathlib.Path, step: int) -> tuple[list[np.ndarray], list[int], list[np.ndarray]]:
+    """The routing trace's entries up to `step`: counts [layers, R, E], step, and the placements
+    [layers, R, H] they were routed under (empty for a trace that predates them). A damaged trace is
+    kept aside as counts.npz.damaged, with a warning, and the trace starts again after this step."""
     if not path.exists():
-        return [], []
+        return [], [], []
     try:
         with np.load(path) as trace:
             # By step, not by position: the run may have had another train.microbatches before. A
             # trace without steps predates micro-batches: one entry per step.
             steps = trace["step"] if "step" in trace else np.arange(1, len(trace["counts"]) + 1)
             kept = steps <= step
-            return list(trace["counts"][kept]), steps[kept].tolist()
+            placements = list(trace["placement"][kept]) if "placement" in trace else []
+            return list(trace["counts"][kept]), steps[kept].tolist(), placements
     except Exception as err:  # BadZipFile, EOFError, a missing or malformed array: all mean damaged
         os.replace(path, path.with_name(path.name + ".damaged"))
         warnings.warn(f"{path} is damaged ({type(err).__name__}); kept as {path.name}.damaged, and the trace "
                       f"starts again after step {step}", RunWarning, stacklevel=2)
-        return [], []
+        return [], [], []
 
 
-def write_trace(path: pathlib.Path, counts: list[np.ndarray], steps: list[int]) -> None:
+def write_trace(path: pathlib.Path, counts: list[np.ndarray], steps: list[int],
+                placements: list[np.ndarray] | None = None) -> None:
+    """Write the trace; placements (one per entry) are kept when there is one for every entry."""
+    arrays = {"counts": np.stack(counts).astype(np.int32), "step": np.asarray(steps, np.int32)}
+    if placements and len(placements) == len(counts):
+        arrays["placement"] = np.stack(placements).astype(np.int32)
     buffer = io.BytesIO()
-    np.savez_compressed(buffer, counts=np.stack(counts).astype(np.int32), step=np.asarray(steps, np.int32))
+    np.savez_compressed(buffer, **arrays)
     run_folder.write_atomic(path, buffer.getvalue())

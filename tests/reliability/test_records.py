@@ -18,11 +18,13 @@ def test_a_truncated_log_keeps_its_complete_lines(tmp_path):
 
 def test_a_truncated_trace_is_kept_aside_and_restarted(tmp_path):
     path = tmp_path / "counts.npz"
-    records.write_trace(path, [np.full((2, 8, 16), s) for s in range(4)], [1, 1, 2, 2])
-    counts, steps = records.read_trace(path, 1)
+    placements = [np.full((2, 8, 2), s) for s in range(4)]
+    records.write_trace(path, [np.full((2, 8, 16), s) for s in range(4)], [1, 1, 2, 2], placements)
+    counts, steps, kept = records.read_trace(path, 1)
     assert steps == [1, 1] and np.array_equal(counts[1], np.full((2, 8, 16), 1))
+    assert len(kept) == 2 and np.array_equal(kept[1], placements[1])
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
     with pytest.warns(RunWarning, match="counts.npz is damaged .*kept as counts.npz.damaged"):
-        assert records.read_trace(path, 2) == ([], [])
+        assert records.read_trace(path, 2) == ([], [], [])
     assert (tmp_path / "counts.npz.damaged").exists() and not path.exists()
