@@ -46,15 +46,17 @@ FACTORS = (1.0, 1.1, 1.25, 1.5, 2.0)
 SYNTHETIC = ("zipf-1.0", "lognormal", "hot-node", "bursts")
 
 
-def token_batch(task: str, num_ranks: int, seed: int) -> np.ndarray:
-    """int32 [R, T, layers, k]: each rank's tokens, whole prompts drawn with replacement."""
+def token_batch(task: str, num_ranks: int, seed: int, prompts: range | None = None) -> np.ndarray:
+    """int32 [R, T, layers, k]: each rank's tokens, whole prompts drawn with replacement (from
+    `prompts`, default all)."""
     expert_ids, start = traces.load_esft_tokens(task)
+    prompts = range(len(start) - 1) if prompts is None else prompts
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(num_ranks):
         rows = []
         while sum(len(r) for r in rows) < TOKENS:
-            sample = rng.integers(len(start) - 1)
+            sample = prompts[rng.integers(len(prompts))]
             rows.append(np.arange(start[sample], start[sample + 1]))
         out.append(expert_ids[np.concatenate(rows)[:TOKENS]])
     return np.stack(out)
@@ -69,9 +71,11 @@ def _destinations(ids, plan):
     return jax.vmap(assign_slots, in_axes=(0, 0, None, 0))(ids, counts, plan, ranks)
 
 
-def scaleout(ids: np.ndarray, plan: Plan, topology: Topology) -> dict:
-    """Scale-out token rows, flat and deduplicated, and guest copies crossing nodes, for one layer."""
+def scaleout(ids: np.ndarray, plan: Plan, topology: Topology, placement=None) -> dict:
+    """Scale-out token rows, flat and deduplicated, and guest copies crossing nodes, for one layer
+    (homes: `placement`, default contiguous)."""
     num_ranks, tokens, top_k = ids.shape
+    placement = contiguous_placement(num_ranks, EXPERTS) if placement is None else placement
     gpus = topology.gpus_per_node
     dest = np.asarray(_destinations(jnp.asarray(ids.reshape(num_ranks, -1)), plan))
     dest_node = (dest // plan.slot_expert.shape[1] // gpus).reshape(num_ranks, tokens, top_k)
@@ -80,11 +84,11 @@ def scaleout(ids: np.ndarray, plan: Plan, topology: Topology) -> dict:
     first = np.ones_like(remote)  # the first choice of a token on its node
     for i in range(1, top_k):
         first[:, :, i] = (dest_node[:, :, :i] != dest_node[:, :, i:i + 1]).all(-1)
-    moves = guest_transfers(jax.device_get(plan), np.asarray(contiguous_placement(num_ranks, EXPERTS)), gpus)
+    moves = guest_transfers(jax.device_get(plan), np.asarray(placement), gpus)
     sender_node, host_node = np.arange(num_ranks)[:, None] // gpus, np.arange(num_ranks)[None, :] // gpus
     num_nodes = num_ranks // gpus
     node_rows = np.stack([np.bincount(dest_node[s][first[s]], minlength=num_nodes) for s in range(num_ranks)])
-    return {"pairs": int(remote.sum()), "rows": int((remote & first).sum()),
+    return {"pairs": int(remote.sum()), "rows": int((remote & first).sum()), "node_rows": node_rows,
             "weights": int(moves[sender_node != host_node].sum()),
             "flat_s": float(exchange_seconds_per_rank(plan, topology, DIMS).max()),
             "relay_s": float(relay_exchange_seconds_per_rank(plan, node_rows, topology, DIMS).max())}
@@ -111,8 +115,9 @@ def rows_table(planners: dict, layers: range, seeds: int) -> list[dict]:
                     for name in PLANNERS:
                         plan = planners[(topo_name, name)](jnp.asarray(counts))
                         got = scaleout(ids, plan, topology)
-                        for key, value in got.items():
-                            totals[name][key] += value
+                        for key in totals[name]:
+                            if key != "tokens":
+                                totals[name][key] += got[key]
                         totals[name]["tokens"] += num_ranks * TOKENS
                         per_layer[name].append(got["rows"] / max(got["pairs"], 1))
             eplb_flat = inter_bytes(totals["eplb"]["pairs"], totals["eplb"]["weights"])

@@ -255,3 +255,22 @@ def ideal_layer_time(plan: Plan, topology: Topology, dims: ExpertDims) -> dict[s
     latency = topology.inter_latency if pairs[cls == 2].any() else (topology.intra_latency if pairs[cls == 1].any() else 0.0)
     exchange = EXCHANGES_PER_LAYER * (max(intra, inter) + latency)
     return {"gemm_s": gemm, "exchange_s": exchange, "weights_s": 0.0, "planning_s": 0.0, "total_s": gemm + exchange}
+
+
+def migration_seconds(old, new, topology: Topology, dims: ExpertDims, *, state_bytes_per_element: int = 12,
+                      replace_every: int = 1) -> float:
+    """Seconds one re-placement takes to move the home experts that change rank (jtopoep.migration),
+    divided over the `replace_every` steps it serves. Each moved expert carries its float32 weights
+    and AdamW's two float32 moments (state_bytes_per_element = 12 per weight element); the slowest
+    rank's sends and receives over each link class bound it."""
+    old_rank = home_rank_of_experts(np.asarray(old), np)
+    new_rank = home_rank_of_experts(np.asarray(new), np)
+    moved = old_rank != new_rank
+    across = moved & (old_rank // topology.gpus_per_node != new_rank // topology.gpus_per_node)
+    expert = 3.0 * dims.d_model * dims.expert_hidden * state_bytes_per_element
+    seconds = np.zeros(topology.num_ranks)
+    for ranks in (old_rank, new_rank):  # each rank's sends, then its receives
+        seconds = np.maximum(seconds, np.bincount(ranks[moved & ~across], minlength=topology.num_ranks) * expert
+                             / topology.intra_bw + np.bincount(ranks[across], minlength=topology.num_ranks) * expert
+                             / topology.inter_bw)
+    return float(seconds.max()) / replace_every
