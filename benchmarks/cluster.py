@@ -6,7 +6,11 @@ projected with jtopoep.costmodel; the non-MoE part of the step comes from the mo
 These are projections from a cost model, not GPU measurements.
 
 Planners: none, eplb (per micro-batch, on device), eplb_host (host EPLB re-planned every --window
-micro-batches from the mean of the last window's loads, as deployed systems do), topoep, taot, and
+micro-batches from the mean of the last window's loads, as deployed systems do), topoep, topoep_homes
+(topoep on home experts re-placed by jtopoep.homes from the mean loads of the --window micro-batches
+before, wrapping round the trace, never the one planned; these count traces hold no co-activation;
+the migration from the previous placement, costmodel.migration_seconds amortised over
+--replace-every micro-batches, is charged to its weights term), taot, and
 ideal (the baseline's pairs and token traffic spread perfectly evenly over the ranks, with no
 planning or weight-transfer cost: costmodel.ideal_layer_time).
 Settings: K = 2 guest slots (the headline), K = 1 and 4, half and double the inter-node bandwidth,
@@ -38,7 +42,8 @@ import yaml
 from benchmarks.planners import shape_key
 from jtopoep import traces, xla_cpu
 from jtopoep.config import CONFIG_DIR, ModelConfig, MoEConfig, section_from_dict
-from jtopoep.costmodel import ExpertDims, ideal_layer_time, layer_time
+from jtopoep.costmodel import ExpertDims, ideal_layer_time, layer_time, migration_seconds
+from jtopoep.homes import replace_homes
 from jtopoep.plan import home_plan
 from jtopoep.planners import get_planner
 from jtopoep.planners.eplb import even_quotas
@@ -48,7 +53,7 @@ from jtopoep.topology import Topology
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 MODELS = ("mixtral-8x7b", "deepseek-v2-lite", "qwen1.5-moe", "deepseek-v3")
-PLANNERS = ("none", "eplb", "eplb_host", "topoep", "taot", "ideal")
+PLANNERS = ("none", "eplb", "eplb_host", "topoep", "topoep_homes", "taot", "ideal")
 TOKENS_PER_GPU = 4096  # one 4096-token sequence per GPU per micro-batch
 # taot's score weights for time rather than weighted communication cost (a sensitivity setting).
 
@@ -153,12 +158,14 @@ def non_moe_seconds(cfg: ModelConfig, topology: Topology) -> float:
 
 def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, mats: np.ndarray,
             window: int, min_gain: float, keep_copies: bool = False,
-            knobs: dict | None = None) -> dict:
+            knobs: dict | None = None, replace_every: int = 400) -> dict:
     """Per-step terms, tokens/s and gains of every planner on the micro-batches `mats`.
 
     keep_copies: the micro-batches are those of one optimizer step, and a guest copy a rank holds
     again from the previous micro-batch of the same layer ships no weights (moe.keep_copies).
     knobs: {planner name: its settings beyond the defaults}, e.g. taot's score weights."""
+    if len(mats) < 2:
+        raise ValueError("topoep_homes learns its placement from the other micro-batches: give at least 2")
     cfg = load_model(model)
     dep = Deployment(cfg, topology.num_ranks)
     dims = dep.dims
@@ -171,13 +178,17 @@ def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, m
     totals = {p: dict.fromkeys(terms, 0.0) for p in PLANNERS}
     history = []
     held = {}  # (planner, layer) -> the guest experts of that layer's previous micro-batch
+    homes = {}  # layer -> topoep_homes' placement
+    replace = jax.jit(replace_homes, static_argnums=3)
+    zero_coact = jnp.zeros((dep.num_experts, dep.num_experts), jnp.float32)
     home = placement.shape[1]
     # Nothing held yet: all -1, which plans as held=None does, under the same compiled planner.
     nothing = {name: np.full((topology.num_ranks, 0 if name == "none" else guest_slots), -1, np.int32)
                for name in planners}
 
-    def timed(name, layer, plan, planning_s):
-        t = layer_time(plan, topology, dims, placement, planning_s, held.get((name, layer)))
+    def timed(name, layer, plan, planning_s, homes=placement, extra_weights_s=0.0):
+        t = layer_time(plan, topology, dims, homes, planning_s, held.get((name, layer)))
+        t["weights_s"] += extra_weights_s
         if keep_copies:
             held[(name, layer)] = np.asarray(plan.slot_expert)[:, home:]
         for k in terms:
@@ -197,6 +208,15 @@ def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, m
             quota = even_quotas(slot_expert, counts.sum(0).astype(np.int32), np)
             plan = plan_from_quotas(counts, slot_expert, quota, topology.gpus_per_node, False, np)
             timed("eplb_host", layer, plan, latency_s.get("eplb_host", 0.0) / window)
+            # topoep_homes: homes re-placed from the other micro-batches' loads (the window before).
+            before = [dep.expand(mats[(m - j) % len(mats)][layer]) for j in range(1, min(window, len(mats) - 1) + 1)]
+            old = homes.get(layer, placement)
+            homes[layer] = np.asarray(replace(jnp.asarray(np.mean(before, axis=0).sum(0), jnp.float32), zero_coact,
+                                              jnp.asarray(old, jnp.int32), topology))
+            moving = migration_seconds(old, homes[layer], topology, dims, replace_every=replace_every)
+            plan = jax.device_get(planners["topoep"](counts, homes[layer], held.get(("topoep_homes", layer),
+                                                                                     nothing["topoep"])))
+            timed("topoep_homes", layer, plan, latency_s.get("topoep", 0.0), homes[layer], moving)
             ideal = ideal_layer_time(home_plan(jnp.asarray(counts), jnp.asarray(placement), 0), topology, dims)
             for k in terms:
                 totals["ideal"][k] += ideal[k]
@@ -279,7 +299,7 @@ def gap_report(results: dict) -> list[str]:
              "|---|---|---|---|---|---|---|---|"]
     terms = ("gemm_s", "exchange_s", "weights_s", "planning_s")
     for model, rows in results["settings"][results["headline"]].items():
-        for name in ("topoep", "taot"):
+        for name in ("topoep", "topoep_homes", "taot"):
             gap = {k: 1e3 * (rows[name][k] - rows["ideal"][k]) for k in terms}
             worst = max(gap, key=gap.get)
             lines.append(f"| {model} | {name} | {100 * rows[name]['share_of_ideal_gain']:.0f}% | "
@@ -324,6 +344,9 @@ def main(argv=None) -> dict:
                         help="micro-batches of one optimizer step in the settings that fetch or keep guest copies")
     parser.add_argument("--window", type=int, default=8, help="eplb_host re-planning period and window")
     parser.add_argument("--min-gain", type=float, default=0.0)
+    parser.add_argument("--replace-every", type=int, default=400,
+                        help="micro-batches between re-placements of topoep_homes (100 steps of 4), over which its "
+                             "migration is amortised")
     parser.add_argument("--no-sensitivity", action="store_true")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -350,7 +373,8 @@ def main(argv=None) -> dict:
                "planning_latency_s": latency, "headline": "K=2", "settings": {}}
     for label, topology, k, keep, micro, knobs in settings:
         results["settings"][label] = {m: project(m, topology, k, deployment_latency(latency, m, topology.num_ranks, k),
-                                                 micro[m], args.window, args.min_gain, keep, knobs=knobs)
+                                                 micro[m], args.window, args.min_gain, keep, knobs=knobs,
+                                                 replace_every=args.replace_every)
                                       for m in models}
         print(label, "done", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,9 @@ second window (benchmarks.data_path.token_batch); per layer and placement:
 - scale-out token rows per token with the deduplicated dispatch (jtopoep.relay) against flat pairs
   across nodes (the same under any placement when sources are alike: reported, not a target);
 - home-only imbalance (max / mean, before any copy) of rank loads and of node loads;
-- topoep's plan (K = 2, pricing on): imbalance after, guest copies, and the cost model's layer time
-  by term (jtopoep.costmodel.layer_time with the relays' rows), H800 links, DeepSeek-V2-Lite experts;
+- the plan of `none` (home experts only) and of topoep (K = 2, pricing on): imbalance after, guest
+  copies, and the cost model's layer time by term (jtopoep.costmodel.layer_time with the relays'
+  rows), H800 links, DeepSeek-V2-Lite experts;
 - the migration a re-placement costs (jtopoep.costmodel.migration_seconds: weights and AdamW moments,
   float32), once, and amortised over 100 steps.
 
@@ -37,7 +38,7 @@ from jtopoep.plan import contiguous_placement, home_rank_of_experts
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 PLACEMENTS = ("contiguous", "re-placed")
 AMORTISED_OVER = 100
-PLANNER = "topoep"
+PLANNERS = ("none", "topoep")
 
 
 def learned_placement(task: str, layer: int, topology, prompts: range) -> np.ndarray:
@@ -56,7 +57,7 @@ def home_imbalance(counts: np.ndarray, placement: np.ndarray, gpus: int) -> tupl
     return float(rank.max() / rank.mean()), float(node.max() / node.mean())
 
 
-def measure(topo_name: str, topology, task: str, layers: range, seeds: int, planner) -> list[dict]:
+def measure(topo_name: str, topology, task: str, layers: range, seeds: int, planner_name: str, planner) -> list[dict]:
     _, start = traces.load_esft_tokens(task)
     half = (len(start) - 1) // 2
     learn, test = range(0, half), range(half, len(start) - 1)
@@ -65,7 +66,7 @@ def measure(topo_name: str, topology, task: str, layers: range, seeds: int, plan
     for layer in layers:
         placements = {"contiguous": np.asarray(contiguous_placement(topology.num_ranks, EXPERTS)),
                       "re-placed": learned_placement(task, layer, topology, learn)}
-        row = {"topology": topo_name, "task": task, "layer": layer}
+        row = {"topology": topo_name, "task": task, "planner": planner_name, "layer": layer}
         moved = home_rank_of_experts(placements["contiguous"], np) != home_rank_of_experts(placements["re-placed"], np)
         row["experts_moved"] = int(moved.sum())
         row["migration_s"] = migration_seconds(placements["contiguous"], placements["re-placed"], topology, DIMS)
@@ -96,7 +97,7 @@ def measure(topo_name: str, topology, task: str, layers: range, seeds: int, plan
                          **{key: acc[key] for key in ("weights_s", "exchange_s", "gemm_s", "total_s")}}
         out.append(row)
         c, r = row["contiguous"], row["re-placed"]
-        print(f"{topo_name} {task} layer {layer}: rows/pairs {c['rows_vs_pairs']:.2f} -> {r['rows_vs_pairs']:.2f}, "
+        print(f"{topo_name} {task} {planner_name} layer {layer}: rows/pairs {c['rows_vs_pairs']:.2f} -> {r['rows_vs_pairs']:.2f}, "
               f"node home {c['node_home_imbalance']:.2f} -> {r['node_home_imbalance']:.2f}, "
               f"copies {c['topoep_copies']:.0f} -> {r['topoep_copies']:.0f}, moved {row['experts_moved']}", flush=True)
     return out
@@ -105,9 +106,9 @@ def measure(topo_name: str, topology, task: str, layers: range, seeds: int, plan
 def summary(rows: list[dict]) -> list[dict]:
     """Per topology and task: rows and pairs summed over layers, imbalances and times averaged."""
     out = []
-    for key in sorted({(r["topology"], r["task"]) for r in rows}):
-        group = [r for r in rows if (r["topology"], r["task"]) == key]
-        entry = {"topology": key[0], "task": key[1], "experts_moved": float(np.mean([r["experts_moved"] for r in group])),
+    for key in sorted({(r["topology"], r["task"], r["planner"]) for r in rows}):
+        group = [r for r in rows if (r["topology"], r["task"], r["planner"]) == key]
+        entry = {"topology": key[0], "task": key[1], "planner": key[2], "experts_moved": float(np.mean([r["experts_moved"] for r in group])),
                  "migration_s": float(np.mean([r["migration_s"] for r in group]))}
         for name in PLACEMENTS:
             parts = [r[name] for r in group]
@@ -126,13 +127,13 @@ def markdown(rows: list[dict], totals: list[dict], layers: range, seeds: int) ->
              f"learned on the first half of the prompts, measured on {seeds} draw(s) of {TOKENS} tokens per rank from "
              f"the second; topoep, K = {SLOTS}, pricing on; DeepSeek-V2-Lite experts on H800 links).", "",
              "## Per trace (means over layers; rows / pairs over all layers)", "",
-             "| topology | trace | homes | flat pairs / token | dedup rows / token | rows / pairs | worst layer | "
-             "rank home imb. | node home imb. | topoep imb. | topoep copies | weights ms | exchange ms | layer ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| topology | trace | planner | homes | flat pairs / token | dedup rows / token | rows / pairs | worst layer | "
+             "rank home imb. | node home imb. | imb. after | copies | weights ms | exchange ms | layer ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in totals:
         for name in PLACEMENTS:
             p = t[name]
-            lines.append(f"| {t['topology']} | {t['task']} | {name} | {p['pairs_per_token']:.2f} | "
+            lines.append(f"| {t['topology']} | {t['task']} | {t['planner']} | {name} | {p['pairs_per_token']:.2f} | "
                          f"{p['rows_per_token']:.2f} | {p['rows_vs_pairs']:.3f} | {p['worst_layer_rows_vs_pairs']:.2f} | "
                          f"{p['rank_home_imbalance']:.2f} | {p['node_home_imbalance']:.2f} | {p['topoep_imbalance']:.2f} | "
                          f"{p['topoep_copies']:.1f} | {p['weights_s'] * ms:.3f} | {p['exchange_s'] * ms:.3f} | "
@@ -141,10 +142,10 @@ def markdown(rows: list[dict], totals: list[dict], layers: range, seeds: int) ->
               f"| topology | trace | experts moved | seconds, once | ms per step over {AMORTISED_OVER} steps |",
               "|---|---|---|---|---|"]
     lines += [f"| {t['topology']} | {t['task']} | {t['experts_moved']:.1f} | {t['migration_s']:.4f} | "
-              f"{t['migration_s'] / AMORTISED_OVER * ms:.3f} |" for t in totals]
-    lines += ["", "## Dedup rows / flat pairs per layer", "", "| topology | trace | layer | contiguous | re-placed |",
-              "|---|---|---|---|---|"]
-    lines += [f"| {r['topology']} | {r['task']} | {r['layer']} | {r['contiguous']['rows_vs_pairs']:.3f} | "
+              f"{t['migration_s'] / AMORTISED_OVER * ms:.3f} |" for t in totals if t["planner"] == PLANNERS[0]]
+    lines += ["", "## Dedup rows / flat pairs per layer", "",
+              "| topology | trace | planner | layer | contiguous | re-placed |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['topology']} | {r['task']} | {r['planner']} | {r['layer']} | {r['contiguous']['rows_vs_pairs']:.3f} | "
               f"{r['re-placed']['rows_vs_pairs']:.3f} |" for r in rows]
     return "\n".join(lines) + "\n"
 
@@ -160,9 +161,10 @@ def main(argv=None) -> dict:
     topologies = {"4x8": TOPOLOGIES["4x8"]} if args.quick else TOPOLOGIES
     rows = []
     for topo_name, topology in topologies.items():
-        planner = jax.jit(make(PLANNER, topology, EXPERTS, SLOTS, 0.0))
-        for task in traces.ESFT_TASKS:
-            rows += measure(topo_name, topology, task, layers, seeds, planner)
+        for name in PLANNERS:
+            planner = jax.jit(make(name, topology, EXPERTS, SLOTS, 0.0))
+            for task in traces.ESFT_TASKS:
+                rows += measure(topo_name, topology, task, layers, seeds, name, planner)
     totals = summary(rows)
     result = {"rows": rows, "summary": totals, "layers": list(layers), "seeds": seeds}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,10 @@ moves), deterministic, so every rank computes the same placement bit for bit:
    a swap raises the co-activation kept inside nodes: experts that tokens choose together gather on one
    node, so the deduplicated dispatch (jtopoep.relay) sends such a token across once. A round is kept
    only if the total rises, so the result never falls below the start.
-3. Ranks. Within each node, experts by load in bands of G: each rank takes one of every band, keeping
-   its old rank where it can; within a rank, experts that stay keep their order.
+3. Ranks. Within each node, experts are dealt to the G ranks back and forth by load (the hottest G
+   one each, the next G in reverse order, ...), so that rank loads are balanced too, and each rank's
+   share takes the old rank of its hottest expert that stays, where it can; within a rank, experts
+   that stay keep their order. A layer that has seen no routing keeps its placement.
 """
 
 from __future__ import annotations
@@ -143,16 +145,20 @@ def _swap_round(coact, load, node, band_items, partner, num_nodes: int, width: i
     return best_node
 
 
-def _fill_ranks(stays: Bool[Array, " C"], old_rank: Int[Array, " C"], load: Int[Array, " C"], *, gpus: int,
-                home: int) -> Int[Array, " C"]:
-    """Rank within the node of each of its C = G * H experts (given hottest first)."""
-    kept = jnp.zeros(gpus, jnp.int32).at[old_rank].add(stays.astype(jnp.int32))
-    kept_load = jnp.zeros(gpus, jnp.int32).at[old_rank].add(jnp.where(stays, load, 0))
-    place_rank = jnp.tile(jnp.arange(gpus, dtype=jnp.int32), home)
-    place_round = jnp.repeat(jnp.arange(home, dtype=jnp.int32), gpus) - kept[place_rank]  # < 0: taken
-    order = jnp.lexsort((place_rank, kept_load[place_rank], jnp.where(place_round < 0, home, place_round)))
-    newcomer = jnp.clip(jnp.cumsum(~stays) - 1, 0, gpus * home - 1)
-    return jnp.where(stays, old_rank, place_rank[order][newcomer])
+def _ranks_in_node(old_rank: Int[Array, " C"], stays: Bool[Array, " C"], *, gpus: int) -> Int[Array, " C"]:
+    """Rank within the node of each of its C experts (given hottest first): dealt to G groups back
+    and forth (the hottest G one each, the next G in reverse order, ...), and each group named after
+    the old rank of its hottest expert that stays on the node, where no hotter group took it."""
+    position = jnp.arange(old_rank.shape[0])
+    forward = (position // gpus) % 2 == 0
+    group = jnp.where(forward, position % gpus, gpus - 1 - position % gpus)
+    # Each group's hottest staying expert: the first in hot-first order.
+    first_stayer = jax.ops.segment_min(jnp.where(stays, position, old_rank.shape[0]), group, gpus)
+    preferred = jnp.where(first_stayer < old_rank.shape[0], old_rank[jnp.minimum(first_stayer, old_rank.shape[0] - 1)],
+                          -1)
+    # Groups choose in order of their hottest member (group 0 holds the hottest expert).
+    label = banded_assign(preferred[None, :], gpus, 1)[0]
+    return label[group]
 
 
 def replace_homes(loads: Float[Array, " E"], coact: Float[Array, "E E"], old: Int[Array, "R H"],
@@ -187,17 +193,15 @@ def replace_homes(loads: Float[Array, " E"], coact: Float[Array, "E E"], old: In
         node = jax.lax.fori_loop(0, rounds, lambda t, n: _swap_round(scaled, load_share, n, bands, schedule[t], nodes,
                                                                         width, balance), node)
 
-    # Ranks within each node: an expert that stays on its node keeps its rank; newcomers, hottest
-    # first, take the free slots in rounds (every rank's first free slot, then its second, ...), each
-    # round lightest rank first.
+    # Ranks within each node: dealt back and forth by load, each rank's share named after an old rank
+    # (_ranks_in_node), so that what need not move within a node stays.
     by_node = hot_first[jnp.argsort(node[hot_first], stable=True)].reshape(nodes, per_node)
     stays = old_node[by_node] == jnp.arange(nodes)[:, None]
-    local = jax.vmap(functools.partial(_fill_ranks, gpus=gpus, home=home))(
-        stays, old_rank[by_node] % gpus, load_share[by_node])
+    local = jax.vmap(functools.partial(_ranks_in_node, gpus=gpus))(old_rank[by_node] % gpus, stays)
     rank = jnp.zeros(num_experts, jnp.int32).at[by_node.reshape(-1)].set(
         (jnp.arange(nodes)[:, None] * gpus + local).reshape(-1), unique_indices=True)
     # Within a rank: experts that stay keep their order, newcomers follow by expert id.
     old_slot = jnp.zeros(num_experts, jnp.int32).at[old.reshape(-1)].set(jnp.arange(num_experts, dtype=jnp.int32))
     key = jnp.where(rank == old_rank, old_slot % home, home + jnp.arange(num_experts))
-    order = jnp.lexsort((key, rank))
-    return order.astype(jnp.int32).reshape(num_ranks, home)
+    order = jnp.lexsort((key, rank)).astype(jnp.int32).reshape(num_ranks, home)
+    return jnp.where(loads.sum() > 0, order, old)  # no routing seen yet: nothing to go on
