@@ -54,8 +54,9 @@ def test_deployment_slices_and_pads():
 
 def test_projection_orders_planners_sensibly():
     topology = Topology.preset("h800-4x8")
-    mats = cluster.model_traces("deepseek-v2-lite", 32, 1, None)[:, :3]  # 3 layers of one micro-batch
+    mats = cluster.model_traces("deepseek-v2-lite", 32, 2, None)[:, :3]  # 3 layers of two micro-batches
     rows = cluster.project("deepseek-v2-lite", topology, 2, {}, mats, window=8, min_gain=0.0)
+    assert rows["topoep_homes"]["step_s"] < rows["none"]["step_s"]
     # ideal's GEMM is a bound; its exchange is the home plan's traffic spread evenly, which copies
     # fed by their own node's pairs can beat (costmodel.ideal_layer_time), so its step is not one.
     assert rows["ideal"]["gemm_s"] <= rows["topoep"]["gemm_s"] and rows["topoep"]["step_s"] < rows["none"]["step_s"]
