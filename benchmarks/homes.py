@@ -71,7 +71,7 @@ def measure(topo_name: str, topology, task: str, layers: range, seeds: int, plan
         row["experts_moved"] = int(moved.sum())
         row["migration_s"] = migration_seconds(placements["contiguous"], placements["re-placed"], topology, DIMS)
         for name, placement in placements.items():
-            acc = {"pairs": 0, "rows": 0, "rank_home": 0.0, "node_home": 0.0, "after": 0.0, "copies": 0,
+            acc = {"pairs": 0, "rows": 0, "across": 0, "rank_home": 0.0, "node_home": 0.0, "after": 0.0, "copies": 0,
                    "weights_s": 0.0, "exchange_s": 0.0, "gemm_s": 0.0, "total_s": 0.0}
             for batch in batches:
                 ids = batch[:, :, layer]
@@ -83,6 +83,7 @@ def measure(topo_name: str, topology, task: str, layers: range, seeds: int, plan
                 terms = layer_time(plan, topology, DIMS, placement, node_rows=got["node_rows"])
                 acc["pairs"] += got["pairs"]
                 acc["rows"] += got["rows"]
+                acc["across"] += got["weights"]
                 acc["rank_home"] += rank_home / seeds
                 acc["node_home"] += node_home / seeds
                 acc["after"] += float(loads.max() / loads.mean()) / seeds
@@ -93,7 +94,7 @@ def measure(topo_name: str, topology, task: str, layers: range, seeds: int, plan
             row[name] = {"pairs_per_token": acc["pairs"] / tokens, "rows_per_token": acc["rows"] / tokens,
                          "rows_vs_pairs": acc["rows"] / max(acc["pairs"], 1), "rank_home_imbalance": acc["rank_home"],
                          "node_home_imbalance": acc["node_home"], "topoep_imbalance": acc["after"],
-                         "topoep_copies": acc["copies"] / seeds,
+                         "topoep_copies": acc["copies"] / seeds, "copies_across_nodes": acc["across"] / seeds,
                          **{key: acc[key] for key in ("weights_s", "exchange_s", "gemm_s", "total_s")}}
         out.append(row)
         c, r = row["contiguous"], row["re-placed"]
@@ -128,15 +129,15 @@ def markdown(rows: list[dict], totals: list[dict], layers: range, seeds: int) ->
              f"the second; topoep, K = {SLOTS}, pricing on; DeepSeek-V2-Lite experts on H800 links).", "",
              "## Per trace (means over layers; rows / pairs over all layers)", "",
              "| topology | trace | planner | homes | flat pairs / token | dedup rows / token | rows / pairs | worst layer | "
-             "rank home imb. | node home imb. | imb. after | copies | weights ms | exchange ms | layer ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "rank home imb. | node home imb. | imb. after | copies | across nodes | weights ms | exchange ms | layer ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in totals:
         for name in PLACEMENTS:
             p = t[name]
             lines.append(f"| {t['topology']} | {t['task']} | {t['planner']} | {name} | {p['pairs_per_token']:.2f} | "
                          f"{p['rows_per_token']:.2f} | {p['rows_vs_pairs']:.3f} | {p['worst_layer_rows_vs_pairs']:.2f} | "
                          f"{p['rank_home_imbalance']:.2f} | {p['node_home_imbalance']:.2f} | {p['topoep_imbalance']:.2f} | "
-                         f"{p['topoep_copies']:.1f} | {p['weights_s'] * ms:.3f} | {p['exchange_s'] * ms:.3f} | "
+                         f"{p['topoep_copies']:.1f} | {p['copies_across_nodes']:.1f} | {p['weights_s'] * ms:.3f} | {p['exchange_s'] * ms:.3f} | "
                          f"{p['total_s'] * ms:.3f} |")
     lines += ["", "## Migration per re-placement (means over layers)", "",
               f"| topology | trace | experts moved | seconds, once | ms per step over {AMORTISED_OVER} steps |",
