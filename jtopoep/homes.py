@@ -163,7 +163,7 @@ def _ranks_in_node(old_rank: Int[Array, " C"], stays: Bool[Array, " C"], *, gpus
 
 def replace_homes(loads: Float[Array, " E"], coact: Float[Array, "E E"], old: Int[Array, "R H"],
                   topology: Topology, *, band_width: int | None = None, rounds: int = 24,
-                  balance: float = 0.5) -> Int[Array, "R H"]:
+                  balance: float = 0.75) -> Int[Array, "R H"]:
     """A new placement [R, H] from the expected loads and co-activation; see the module docstring.
     Jittable, deterministic; every expert is placed exactly once."""
     num_ranks, home = old.shape
