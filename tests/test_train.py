@@ -61,28 +61,6 @@ def test_balancing_does_not_change_the_loss(devices, tmp_path):
     assert with_none["step"] == with_topoep["step"] == 4
 
 
-def test_resume_matches_uninterrupted(devices, tmp_path):
-    Trainer(tiny(tmp_path, "straight")).run()
-    config = tiny(tmp_path, "killed")
-    trainer = Trainer(config)
-
-    def kill(_trainer, step, _row):
-        if step == 3:  # after the step-2 checkpoint, before the step-4 one
-            raise Stop
-
-    trainer.add_hook(kill)
-    with pytest.raises(Stop):
-        trainer.run()
-    trainer.checkpointer.close()
-    resumed = Trainer(config)
-    assert resumed.checkpointer.latest_step() == 2
-    resumed.run()
-    assert losses(tmp_path / "killed") == pytest.approx(losses(tmp_path / "straight"), rel=1e-6, abs=0)
-    assert load_recorded(tmp_path / "killed" / "counts.npz").shape[0] == 4
-    with np.load(tmp_path / "killed" / "counts.npz") as trace:  # steps 1-2 from the file, 3 and 4 once each
-        np.testing.assert_array_equal(trace["step"], [1, 2, 3, 4])
-
-
 def test_rehome_moves_weights_and_moments_bitwise(devices, tmp_path):
     """A re-placement moves every expert's weights and AdamW moments to its new slot bit for bit (a
     gather by the permutation), and the model computes the same loss."""
@@ -116,12 +94,12 @@ def test_rehome_moves_weights_and_moments_bitwise(devices, tmp_path):
     assert float(trainer.eval_step(trainer.model, batch)[0]) == pytest.approx(loss_before, rel=1e-6)
 
 
-def test_replacement_tracks_losses_and_resumes_across_it(devices, tmp_path):
+def test_resume_matches_uninterrupted_across_a_replacement(devices, tmp_path):
     """Re-placing every 2 steps gives the losses of a run without it up to float rounding; a run
-    stopped after the re-placement's checkpoint resumes with its placement and the same losses."""
+    stopped after the re-placement's checkpoint resumes with its placement, the same losses as the
+    uninterrupted run, and its trace's entries once each."""
     Trainer(tiny(tmp_path, "fixed")).run()
-    config = tiny(tmp_path, "moving", moe={"replace_every": 2})
-    Trainer(config).run()
+    Trainer(tiny(tmp_path, "moving", moe={"replace_every": 2})).run()
     np.testing.assert_allclose(losses(tmp_path / "moving"), losses(tmp_path / "fixed"), rtol=2e-5, atol=0)
     rows = [json.loads(line) for line in (tmp_path / "moving" / "metrics.jsonl").read_text().splitlines()]
     assert rows[1]["moved_experts"] and len(rows[1]["migration_bytes_inter"]) == 2
@@ -129,21 +107,25 @@ def test_replacement_tracks_losses_and_resumes_across_it(devices, tmp_path):
     with np.load(tmp_path / "moving" / "counts.npz") as trace:
         placement = trace["placement"]
     assert placement.shape == (4, 2, 8, 2) and (placement[2] != placement[1]).any()
-    killed = tiny(tmp_path, "killed", moe={"replace_every": 2})
-    trainer = Trainer(killed)
 
-    def stop(_trainer, step, _row):
-        if step == 3:
+    config = tiny(tmp_path, "killed", moe={"replace_every": 2})
+    trainer = Trainer(config)
+
+    def kill(_trainer, step, _row):
+        if step == 3:  # after the step-2 checkpoint (which holds the re-placement), before the step-4 one
             raise Stop
 
-    trainer.add_hook(stop)
+    trainer.add_hook(kill)
     with pytest.raises(Stop):
         trainer.run()
     trainer.checkpointer.close()
-    resumed = Trainer(killed)
+    resumed = Trainer(config)
+    assert resumed.checkpointer.latest_step() == 2
     resumed.run()
     assert losses(tmp_path / "killed") == pytest.approx(losses(tmp_path / "moving"), rel=1e-6, abs=0)
-    with np.load(tmp_path / "killed" / "counts.npz") as trace:
+    assert load_recorded(tmp_path / "killed" / "counts.npz").shape[0] == 4
+    with np.load(tmp_path / "killed" / "counts.npz") as trace:  # steps 1-2 from the file, 3 and 4 once each
+        np.testing.assert_array_equal(trace["step"], [1, 2, 3, 4])
         np.testing.assert_array_equal(trace["placement"], placement)
 
 
