@@ -39,11 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
+from benchmarks.data_path import relay_rows, token_batch
 from benchmarks.planners import shape_key
 from jtopoep import traces, xla_cpu
 from jtopoep.config import CONFIG_DIR, ModelConfig, MoEConfig, section_from_dict
 from jtopoep.costmodel import ExpertDims, ideal_layer_time, layer_time, migration_seconds
-from jtopoep.homes import replace_homes
+from jtopoep.homes import coactivation, replace_homes
 from jtopoep.plan import home_plan
 from jtopoep.planners import get_planner
 from jtopoep.planners.eplb import even_quotas
@@ -144,6 +145,17 @@ def model_traces(model: str, num_ranks: int, steps: int, recorded: str | None) -
     return np.stack(out)
 
 
+def token_traces(num_ranks: int, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """DeepSeek-V2-Lite's token-level routing (ESFT intent): (tokens [M, layers, R, T, k], counts
+    [M, layers, R, E]), T = TOKENS_PER_GPU of whole prompts per rank, a fresh draw per micro-batch."""
+    cfg = load_model("deepseek-v2-lite")
+    tokens = np.stack([token_batch("intent", num_ranks, seed).transpose(2, 0, 1, 3) for seed in range(steps)])
+    counts = np.zeros(tokens.shape[:3] + (cfg.num_experts,), np.int32)
+    for m, layer, rank in np.ndindex(*tokens.shape[:3]):
+        counts[m, layer, rank] = np.bincount(tokens[m, layer, rank].reshape(-1), minlength=cfg.num_experts)
+    return tokens, counts
+
+
 def non_moe_seconds(cfg: ModelConfig, topology: Topology) -> float:
     """Forward+backward seconds per micro-batch of everything but routed experts, per GPU:
     attention projections 8 D^2 and scores 2 L D FLOPs per token (causal), shared experts and dense
@@ -158,8 +170,12 @@ def non_moe_seconds(cfg: ModelConfig, topology: Topology) -> float:
 
 def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, mats: np.ndarray,
             window: int, min_gain: float, keep_copies: bool = False,
-            knobs: dict | None = None, replace_every: int = 400) -> dict:
+            knobs: dict | None = None, replace_every: int = 400, tokens: np.ndarray | None = None) -> dict:
     """Per-step terms, tokens/s and gains of every planner on the micro-batches `mats`.
+
+    tokens: [M, layers, R, T, k] token-level routing behind `mats`, for the hierarchical dispatch:
+    every plan's exchange is priced by its relays' rows (data_path.relay_rows), and topoep_homes
+    learns co-activation too.
 
     keep_copies: the micro-batches are those of one optimizer step, and a guest copy a rank holds
     again from the previous micro-batch of the same layer ships no weights (moe.keep_copies).
@@ -186,8 +202,11 @@ def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, m
     nothing = {name: np.full((topology.num_ranks, 0 if name == "none" else guest_slots), -1, np.int32)
                for name in planners}
 
+    def rows(m, layer, plan):
+        return None if tokens is None else relay_rows(tokens[m][layer], plan, topology.gpus_per_node)
+
     def timed(name, layer, plan, planning_s, homes=placement, extra_weights_s=0.0):
-        t = layer_time(plan, topology, dims, homes, planning_s, held.get((name, layer)))
+        t = layer_time(plan, topology, dims, homes, planning_s, held.get((name, layer)), rows(m, layer, plan))
         t["weights_s"] += extra_weights_s
         if keep_copies:
             held[(name, layer)] = np.asarray(plan.slot_expert)[:, home:]
@@ -209,15 +228,20 @@ def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, m
             plan = plan_from_quotas(counts, slot_expert, quota, topology.gpus_per_node, False, np)
             timed("eplb_host", layer, plan, latency_s.get("eplb_host", 0.0) / window)
             # topoep_homes: homes re-placed from the other micro-batches' loads (the window before).
-            before = [dep.expand(mats[(m - j) % len(mats)][layer]) for j in range(1, min(window, len(mats) - 1) + 1)]
+            others = [(m - j) % len(mats) for j in range(1, min(window, len(mats) - 1) + 1)]
+            before = [dep.expand(mats[i][layer]) for i in others]
+            coact = zero_coact if tokens is None else jnp.asarray(sum(
+                np.asarray(coactivation(jnp.asarray(tokens[i][layer].reshape(-1, tokens.shape[-1])), dep.num_experts))
+                for i in others), jnp.float32)
             old = homes.get(layer, placement)
-            homes[layer] = np.asarray(replace(jnp.asarray(np.mean(before, axis=0).sum(0), jnp.float32), zero_coact,
+            homes[layer] = np.asarray(replace(jnp.asarray(np.mean(before, axis=0).sum(0), jnp.float32), coact,
                                               jnp.asarray(old, jnp.int32), topology))
             moving = migration_seconds(old, homes[layer], topology, dims, replace_every=replace_every)
             plan = jax.device_get(planners["topoep"](counts, homes[layer], held.get(("topoep_homes", layer),
                                                                                      nothing["topoep"])))
             timed("topoep_homes", layer, plan, latency_s.get("topoep", 0.0), homes[layer], moving)
-            ideal = ideal_layer_time(home_plan(jnp.asarray(counts), jnp.asarray(placement), 0), topology, dims)
+            home_only = jax.device_get(home_plan(jnp.asarray(counts), jnp.asarray(placement), 0))
+            ideal = ideal_layer_time(home_only, topology, dims, rows(m, layer, home_only))
             for k in terms:
                 totals["ideal"][k] += ideal[k]
     return step_rows(totals, len(mats), non_moe_seconds(cfg, topology), topology.num_ranks)
@@ -368,14 +392,18 @@ def main(argv=None) -> dict:
                      ("K=2, inter-node bandwidth x2", double, 2, False, mats, {}),
                      (f"K=2, {steps}, every copy fetched", base_topology, 2, False, one_step, {}),
                      (f"K=2, {steps}, guest copies kept between them", base_topology, 2, True, one_step, {})]
+    if "deepseek-v2-lite" in models:  # the hierarchical dispatch needs token-level routing: this model's
+        tokens, counts = token_traces(base_topology.num_ranks, args.microbatches)
+        settings.append(("K=2, hierarchical dispatch on token-level routing (DeepSeek-V2-Lite only)", base_topology,
+                         2, False, {"deepseek-v2-lite": counts}, {}, tokens))
     results = {"topology": args.topology, "tokens_per_gpu": TOKENS_PER_GPU, "min_gain": args.min_gain,
                "weight_chunks": MoEConfig.guest_weight_chunks,
                "planning_latency_s": latency, "headline": "K=2", "settings": {}}
-    for label, topology, k, keep, micro, knobs in settings:
+    for label, topology, k, keep, micro, knobs, *tokens in settings:
         results["settings"][label] = {m: project(m, topology, k, deployment_latency(latency, m, topology.num_ranks, k),
                                                  micro[m], args.window, args.min_gain, keep, knobs=knobs,
-                                                 replace_every=args.replace_every)
-                                      for m in models}
+                                                 replace_every=args.replace_every, tokens=(tokens or [None])[0])
+                                      for m in micro}
         print(label, "done", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cluster.json").write_text(json.dumps(results, indent=1))

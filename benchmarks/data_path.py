@@ -71,23 +71,35 @@ def _destinations(ids, plan):
     return jax.vmap(assign_slots, in_axes=(0, 0, None, 0))(ids, counts, plan, ranks)
 
 
+def _token_nodes(ids: np.ndarray, plan: Plan, gpus: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each pair's destination node [R, T, k], whether it is its token's first choice on that node,
+    and the distinct (token, node) rows each source sends each node [R, N]."""
+    num_ranks, tokens, top_k = ids.shape
+    dest = np.asarray(_destinations(jnp.asarray(ids.reshape(num_ranks, -1)), plan))
+    dest_node = (dest // plan.slot_expert.shape[1] // gpus).reshape(num_ranks, tokens, top_k)
+    first = np.ones(dest_node.shape, bool)
+    for i in range(1, top_k):
+        first[:, :, i] = (dest_node[:, :, :i] != dest_node[:, :, i:i + 1]).all(-1)
+    num_nodes = num_ranks // gpus
+    node_rows = np.stack([np.bincount(dest_node[s][first[s]], minlength=num_nodes) for s in range(num_ranks)])
+    return dest_node, first, node_rows
+
+
+def relay_rows(ids: np.ndarray, plan: Plan, gpus: int) -> np.ndarray:
+    """[R, N]: the distinct (token, node) rows each source sends each node under the plan."""
+    return _token_nodes(ids, plan, gpus)[2]
+
+
 def scaleout(ids: np.ndarray, plan: Plan, topology: Topology, placement=None) -> dict:
     """Scale-out token rows, flat and deduplicated, and guest copies crossing nodes, for one layer
     (homes: `placement`, default contiguous)."""
-    num_ranks, tokens, top_k = ids.shape
+    num_ranks = ids.shape[0]
     placement = contiguous_placement(num_ranks, EXPERTS) if placement is None else placement
     gpus = topology.gpus_per_node
-    dest = np.asarray(_destinations(jnp.asarray(ids.reshape(num_ranks, -1)), plan))
-    dest_node = (dest // plan.slot_expert.shape[1] // gpus).reshape(num_ranks, tokens, top_k)
-    own = (np.arange(num_ranks) // gpus)[:, None, None]
-    remote = dest_node != own
-    first = np.ones_like(remote)  # the first choice of a token on its node
-    for i in range(1, top_k):
-        first[:, :, i] = (dest_node[:, :, :i] != dest_node[:, :, i:i + 1]).all(-1)
+    dest_node, first, node_rows = _token_nodes(ids, plan, gpus)
+    remote = dest_node != (np.arange(num_ranks) // gpus)[:, None, None]
     moves = guest_transfers(jax.device_get(plan), np.asarray(placement), gpus)
     sender_node, host_node = np.arange(num_ranks)[:, None] // gpus, np.arange(num_ranks)[None, :] // gpus
-    num_nodes = num_ranks // gpus
-    node_rows = np.stack([np.bincount(dest_node[s][first[s]], minlength=num_nodes) for s in range(num_ranks)])
     return {"pairs": int(remote.sum()), "rows": int((remote & first).sum()), "node_rows": node_rows,
             "weights": int(moves[sender_node != host_node].sum()),
             "flat_s": float(exchange_seconds_per_rank(plan, topology, DIMS).max()),

@@ -238,12 +238,14 @@ def layer_time(plan: Plan, topology: Topology, dims: ExpertDims, placement,
             "total_s": total}
 
 
-def ideal_layer_time(plan: Plan, topology: Topology, dims: ExpertDims) -> dict[str, float]:
+def ideal_layer_time(plan: Plan, topology: Topology, dims: ExpertDims, node_rows=None) -> dict[str, float]:
     """Perfect balance at no cost: the plan's pairs spread evenly over the ranks (ceil(sum / R)
     each, a bound on the GEMM term no planner can beat without moving home experts) and its token
     traffic of each link class spread evenly too, with no weight transfer and no planning. Given
     the home plan, the exchange term is not a bound: copies fed by their own node's pairs take
-    traffic off the scale-out links, and a planner that places them so can beat it."""
+    traffic off the scale-out links, and a planner that places them so can beat it.
+    node_rows: [R, N] as for layer_time, for the hierarchical dispatch: its scale-out rows and its
+    relays' NVLink pairs, each stage spread evenly."""
     route = np.asarray(plan.route).astype(np.float64)
     num_ranks = route.shape[0]
     rate = topology.flops * topology.mfu
@@ -253,7 +255,12 @@ def ideal_layer_time(plan: Plan, topology: Topology, dims: ExpertDims) -> dict[s
     intra = pairs[cls == 1].sum() / num_ranks * dims.pair_bytes / topology.intra_bw
     inter = pairs[cls == 2].sum() / num_ranks * dims.pair_bytes / topology.inter_bw
     latency = topology.inter_latency if pairs[cls == 2].any() else (topology.intra_latency if pairs[cls == 1].any() else 0.0)
-    exchange = EXCHANGES_PER_LAYER * (max(intra, inter) + latency)
+    spread = max(intra, inter)
+    if node_rows is not None:
+        even = np.full((num_ranks, topology.num_nodes), np.asarray(node_rows, np.float64).sum() / num_ranks / topology.num_nodes)
+        spread = float(relay_exchange_seconds_per_rank(Plan(plan.slot_expert, np.full_like(route, route.mean())), even,
+                                                       topology, dims).max())
+    exchange = EXCHANGES_PER_LAYER * (spread + latency)
     return {"gemm_s": gemm, "exchange_s": exchange, "weights_s": 0.0, "planning_s": 0.0, "total_s": gemm + exchange}
 
 

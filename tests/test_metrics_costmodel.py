@@ -291,3 +291,21 @@ def test_relay_exchange_prices_rows_across_nodes_then_pairs_over_nvlink():
     flat = layer_time(plan, topo, dims, np.arange(4)[:, None])["exchange_s"]
     relay = layer_time(plan, topo, dims, np.arange(4)[:, None], node_rows=node_rows)["exchange_s"]
     assert relay < flat
+
+
+def test_migration_seconds_prices_moves_by_link_and_amortises():
+    from jtopoep.costmodel import migration_seconds
+
+    topology = Topology(2, 2)
+    dims = ExpertDims(8, 4)
+    old = np.arange(8).reshape(4, 2)
+    assert migration_seconds(old, old, topology, dims) == 0.0
+    expert = 3 * 8 * 4 * 12  # weights and two moments, float32
+    within = old.copy()
+    within[[0, 1], 0] = within[[1, 0], 0]  # experts 0 and 2 trade ranks 0 and 1 (one node)
+    assert migration_seconds(old, within, topology, dims) == pytest.approx(expert / topology.intra_bw)
+    across = old.copy()
+    across[[0, 2], 0] = across[[2, 0], 0]  # experts 0 and 4 trade ranks 0 and 2 (two nodes)
+    assert migration_seconds(old, across, topology, dims) == pytest.approx(expert / topology.inter_bw)
+    assert migration_seconds(old, across, topology, dims, replace_every=10) == pytest.approx(
+        expert / topology.inter_bw / 10)
