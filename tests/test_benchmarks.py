@@ -65,6 +65,20 @@ def test_projection_orders_planners_sensibly():
     assert rows["none"]["gain_vs_none"] == 0.0 and rows["ideal"]["share_of_ideal_gain"] == 1.0
 
 
+def test_projection_prices_the_hierarchical_dispatch_on_token_routing():
+    """With token-level routing every plan's exchange is priced by its relays' rows: fewer rows than
+    pairs cross nodes, so no balancing costs less than with the flat exchange, and re-placed homes
+    (learned from the other micro-batch's loads and co-activation) do better than no balancing."""
+    topology = Topology.preset("h800-4x8")
+    tokens, counts = cluster.token_traces(32, 2)
+    tokens, counts = tokens[:, :2], counts[:, :2]
+    flat = cluster.project("deepseek-v2-lite", topology, 2, {}, counts, window=8, min_gain=0.0)
+    relay = cluster.project("deepseek-v2-lite", topology, 2, {}, counts, window=8, min_gain=0.0, tokens=tokens)
+    assert relay["none"]["exchange_s"] < flat["none"]["exchange_s"]
+    assert relay["none"]["gemm_s"] == flat["none"]["gemm_s"]
+    assert relay["topoep_homes"]["step_s"] < relay["none"]["step_s"]
+
+
 def test_projection_with_kept_copies_saves_only_weight_transfers():
     """The same micro-batch twice in one step. eplb ignores what ranks hold, so it plans the same
     copies again, every one is held already and ships no weights: only its weights term falls.
