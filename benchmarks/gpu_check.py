@@ -131,6 +131,22 @@ def check_kept_copies(out: dict, backend: str = "ragged") -> None:
     print(f"kept copies, {backend} vs dense: max |diff| {err:.2e}", flush=True)
 
 
+def check_migration(out: dict, backend: str = "ragged") -> None:
+    """Home experts moved to a random placement by the ragged all-to-all (jtopoep.migration): bit
+    for bit the permutation gather."""
+    from jtopoep.migration import migrate, slot_permutation
+
+    topology, mesh, args, experts = layer_inputs()
+    rng = np.random.default_rng(2)
+    old, new = (rng.permutation(experts).reshape(topology.num_ranks, -1).astype(np.int32) for _ in range(2))
+    weight = args[3]
+    moved = jax.jit(lambda w, o, n: migrate(w, o, n, mesh, topology, backend=backend))(weight, old, new)
+    want = np.asarray(jax.device_get(weight))[np.asarray(slot_permutation(old, new))]
+    same = bool(np.array_equal(np.asarray(jax.device_get(moved)), want))
+    out["migration"] = {"backend": backend, "bitwise_equal": same, "ok": same}
+    print(f"migration, {backend}: bitwise equal to the gather: {same}", flush=True)
+
+
 def planner_latency(out: dict) -> None:
     """The planner benchmark's latency measurement (interleaved rounds of back-to-back batches, the
     same planners and expert shapes), on this machine's default device."""
@@ -232,7 +248,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     out = {"devices": [d.device_kind for d in jax.devices()], "backend": jax.default_backend()}
-    for step in (check_ragged, check_kept_copies, planner_latency, grouped_gemm, guest_overlap):
+    for step in (check_ragged, check_kept_copies, check_migration, planner_latency, grouped_gemm, guest_overlap):
         try:
             step(out)
         except Exception as err:  # record and go on: one failing check must not hide the others

@@ -8,14 +8,16 @@ per-step values, identical on every device):
 
 `replace_homes` is a fixed number of parallel rounds (sorts, segment sums; no loop over R, E or the
 moves), deterministic, so every rank computes the same placement bit for bit:
-1. Nodes. Experts sorted by load are cut into bands of N * w (w = `band_width`); every node takes w
-   experts of every band, so hot experts are spread over the nodes and each step's copies of them can
-   stay on their node, and node loads are balanced by construction. Within a band an expert keeps its
-   old node where it can (`banded_assign`): only what has to move, moves.
-2. Co-activation. Rounds of swaps between paired nodes (a round-robin schedule), within a band, where
-   a swap raises the co-activation kept inside nodes: experts that tokens choose together gather on one
-   node, so the deduplicated dispatch (jtopoep.relay) sends such a token across once. A round is kept
-   only if the total rises, so the result never falls below the start.
+1. Nodes. Every expert starts on its old node. (With `band_width` w, experts sorted by load are cut
+   into bands of N * w and every node must take w of every band, keeping old nodes where it can
+   (`banded_assign`); the default is one band, no constraint.)
+2. Swaps. Rounds of swaps between paired nodes (a round-robin schedule), within a band: every pair of
+   nodes scores every swap of its experts by the objective, the co-activation kept inside nodes less
+   `balance` x the spread of node loads, and makes its mutual-best swaps (or else its single best).
+   So experts that tokens choose together gather on one node, and the deduplicated dispatch
+   (jtopoep.relay) sends such a token across once, while hot experts stay spread over the nodes, so
+   that each step's copies of them can stay on their node. A round is kept only if the objective
+   rises: the result never falls below the start.
 3. Ranks. Within each node, experts are dealt to the G ranks back and forth by load (the hottest G
    one each, the next G in reverse order, ...), so that rank loads are balanced too, and each rank's
    share takes the old rank of its hottest expert that stays, where it can; within a rank, experts

@@ -121,6 +121,8 @@ def test_gpu_check_of_kept_copies_runs(devices):
     gpu_check.check_kept_copies(out, backend="dense")
     assert out["kept_copies"]["ok"] and out["kept_copies"]["max_abs_diff_vs_dense"] == 0.0
     assert out["kept_copies"]["kept"] > 0
+    gpu_check.check_migration(out, backend="dense")  # the migration check, dense transport
+    assert out["migration"]["ok"]
 
 
 
