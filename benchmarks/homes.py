@@ -13,7 +13,8 @@ second window (benchmarks.data_path.token_batch); per layer and placement:
   copies, and the cost model's layer time by term (jtopoep.costmodel.layer_time with the relays'
   rows), H800 links, DeepSeek-V2-Lite experts;
 - the migration a re-placement costs (jtopoep.costmodel.migration_seconds: weights and AdamW moments,
-  float32), once, and amortised over 100 steps.
+  float32), once, and amortised over 100 steps;
+- consecutive re-placements (prompts in thirds): what the second moves, and how it does on the third.
 
 Writes benchmarks/results/homes.json and homes.md.
 """
@@ -104,6 +105,30 @@ def measure(topo_name: str, topology, task: str, layers: range, seeds: int, plan
     return out
 
 
+def stability(topo_name: str, topology, task: str, layers: range) -> dict:
+    """Consecutive re-placements: the prompts in thirds; a placement learned on the first (from
+    contiguous homes), re-placed from it on the second; the experts the second moves, within and
+    across nodes, and the distinct nodes per token on the third (home experts only)."""
+    expert_ids, start = traces.load_esft_tokens(task)
+    cuts = [start[(len(start) - 1) * i // 3] for i in range(4)]
+    replace = jax.jit(replace_homes, static_argnums=3)
+    gpus = topology.gpus_per_node
+    moved, across, distinct = [], [], []
+    for layer in layers:
+        windows = [expert_ids[cuts[i]:cuts[i + 1], layer] for i in range(3)]
+        stats = [(jnp.asarray(np.bincount(w.reshape(-1), minlength=EXPERTS), jnp.float32),
+                  jnp.asarray(coactivation(jnp.asarray(w), EXPERTS), jnp.float32)) for w in windows[:2]]
+        first = replace(*stats[0], contiguous_placement(topology.num_ranks, EXPERTS), topology)
+        second = replace(*stats[1], first, topology)
+        before, after = home_rank_of_experts(np.asarray(first), np), home_rank_of_experts(np.asarray(second), np)
+        moved.append(int((before != after).sum()))
+        across.append(int((before // gpus != after // gpus).sum()))
+        nodes = (after // gpus)[windows[2]]
+        distinct.append(float(np.mean([len(set(t)) for t in nodes])))
+    return {"topology": topo_name, "task": task, "moved": float(np.mean(moved)), "moved_across": float(np.mean(across)),
+            "distinct_nodes_per_token": float(np.mean(distinct)), "top_k": int(expert_ids.shape[-1])}
+
+
 def summary(rows: list[dict]) -> list[dict]:
     """Per topology and task: rows and pairs summed over layers, imbalances and times averaged."""
     out = []
@@ -121,7 +146,7 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def markdown(rows: list[dict], totals: list[dict], layers: range, seeds: int) -> str:
+def markdown(rows: list[dict], totals: list[dict], stable: list[dict], layers: range, seeds: int) -> str:
     ms = 1e3
     lines = ["# Re-placed home experts on real token-level routing", "",
              f"`python -m benchmarks.homes` (ESFT token traces of DeepSeek-V2-Lite, layers {list(layers)}: placement "
@@ -144,6 +169,12 @@ def markdown(rows: list[dict], totals: list[dict], layers: range, seeds: int) ->
               "|---|---|---|---|---|"]
     lines += [f"| {t['topology']} | {t['task']} | {t['experts_moved']:.1f} | {t['migration_s']:.4f} | "
               f"{t['migration_s'] / AMORTISED_OVER * ms:.3f} |" for t in totals if t["planner"] == PLANNERS[0]]
+    lines += ["", "## Consecutive re-placements (means over layers)", "",
+              "Prompts in thirds: a placement learned on the first, re-placed from it on the second; what the second "
+              "moves, and the distinct nodes per token it gives on the third (home experts only).", "",
+              "| topology | trace | experts moved | across nodes | distinct nodes per token / k |", "|---|---|---|---|---|"]
+    lines += [f"| {t['topology']} | {t['task']} | {t['moved']:.1f} of {EXPERTS} | {t['moved_across']:.1f} | "
+              f"{t['distinct_nodes_per_token']:.2f} / {t['top_k']} |" for t in stable]
     lines += ["", "## Dedup rows / flat pairs per layer", "",
               "| topology | trace | planner | layer | contiguous | re-placed |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['topology']} | {r['task']} | {r['planner']} | {r['layer']} | {r['contiguous']['rows_vs_pairs']:.3f} | "
@@ -167,10 +198,12 @@ def main(argv=None) -> dict:
             for task in traces.ESFT_TASKS:
                 rows += measure(topo_name, topology, task, layers, seeds, name, planner)
     totals = summary(rows)
-    result = {"rows": rows, "summary": totals, "layers": list(layers), "seeds": seeds}
+    stable = [stability(name, topology, task, layers) for name, topology in topologies.items()
+              for task in traces.ESFT_TASKS]
+    result = {"rows": rows, "summary": totals, "stability": stable, "layers": list(layers), "seeds": seeds}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "homes.json").write_text(json.dumps(result, indent=1))
-    (args.out / "homes.md").write_text(markdown(rows, totals, layers, seeds))
+    (args.out / "homes.md").write_text(markdown(rows, totals, stable, layers, seeds))
     return result
 
 

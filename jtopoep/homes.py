@@ -16,8 +16,10 @@ moves), deterministic, so every rank computes the same placement bit for bit:
    `balance` x the spread of node loads, and makes its mutual-best swaps (or else its single best).
    So experts that tokens choose together gather on one node, and the deduplicated dispatch
    (jtopoep.relay) sends such a token across once, while hot experts stay spread over the nodes, so
-   that each step's copies of them can stay on their node. A round is kept only if the objective
-   rises: the result never falls below the start.
+   that each step's copies of them can stay on their node. A swap must gain more than `min_gain`
+   (of the total co-activation; so that noise in the averages does not move experts across nodes at
+   every re-placement), and a round is kept only if the objective rises: the result never falls
+   below the start.
 3. Ranks. Within each node, experts are dealt to the G ranks back and forth by load (the hottest G
    one each, the next G in reverse order, ...), so that rank loads are balanced too, and each rank's
    share takes the old rank of its hottest expert that stays, where it can; within a rank, experts
@@ -103,7 +105,8 @@ def _within(coact: Int[Array, "E E"], node: Int[Array, " E"], num_nodes: int) ->
     return jax.ops.segment_sum(coact.T, node, num_nodes).T
 
 
-def _swap_round(coact, load, node, band_items, partner, num_nodes: int, width: int, balance: float):
+def _swap_round(coact, load, node, band_items, partner, num_nodes: int, width: int, balance: float,
+                min_gain: float):
     """One round of swaps between paired nodes within bands: the new node of every expert, kept only
     if it raises the objective (co-activation kept inside nodes, less `balance` x node-load spread)."""
     experts = jnp.arange(node.shape[0])
@@ -129,10 +132,10 @@ def _swap_round(coact, load, node, band_items, partner, num_nodes: int, width: i
     score = jnp.where((partner[low] != low)[None, :, None, None], kept - balance * num_nodes * spread, -jnp.inf)
     # Candidate 1: swaps that are each other's best (disjoint by construction) and pay on their own.
     mutual = ((jnp.argmax(score, axis=3, keepdims=True) == jnp.arange(width)[None, None, None, :])
-              & (jnp.argmax(score, axis=2, keepdims=True) == jnp.arange(width)[None, None, :, None]) & (score > 0))
+              & (jnp.argmax(score, axis=2, keepdims=True) == jnp.arange(width)[None, None, :, None]) & (score > min_gain))
     # Candidate 2: each pair of nodes' single best swap (when swaps made together interfere).
     flat = score.transpose(1, 0, 2, 3).reshape(num_nodes, -1)
-    single = (jnp.arange(flat.shape[1])[None, :] == jnp.argmax(flat, axis=1)[:, None]) & (flat > 0)
+    single = (jnp.arange(flat.shape[1])[None, :] == jnp.argmax(flat, axis=1)[:, None]) & (flat > min_gain)
     single = single.reshape(num_nodes, *score.shape[:1], width, width).transpose(1, 0, 2, 3)
     is_low = (jnp.arange(num_nodes) == low)[None, :, None]
     best, best_node = before, node
@@ -165,7 +168,7 @@ def _ranks_in_node(old_rank: Int[Array, " C"], stays: Bool[Array, " C"], *, gpus
 
 def replace_homes(loads: Float[Array, " E"], coact: Float[Array, "E E"], old: Int[Array, "R H"],
                   topology: Topology, *, band_width: int | None = None, rounds: int = 24,
-                  balance: float = 0.75) -> Int[Array, "R H"]:
+                  balance: float = 0.75, min_gain: float = 5e-4) -> Int[Array, "R H"]:
     """A new placement [R, H] from the expected loads and co-activation; see the module docstring.
     Jittable, deterministic; every expert is placed exactly once."""
     num_ranks, home = old.shape
@@ -193,7 +196,7 @@ def replace_homes(loads: Float[Array, " E"], coact: Float[Array, "E E"], old: In
         scaled = jnp.floor(off_diagonal / total * _COACT_TOTAL).astype(jnp.int32)
         schedule = jnp.asarray(round_robin(nodes, rounds))
         node = jax.lax.fori_loop(0, rounds, lambda t, n: _swap_round(scaled, load_share, n, bands, schedule[t], nodes,
-                                                                        width, balance), node)
+                                                                        width, balance, min_gain), node)
 
     # Ranks within each node: dealt back and forth by load, each rank's share named after an old rank
     # (_ranks_in_node), so that what need not move within a node stays.
