@@ -42,14 +42,20 @@ AMORTISED_OVER = 100
 PLANNERS = ("none", "topoep")
 
 
+_replace = jax.jit(replace_homes, static_argnums=3)
+
+
+def window_statistics(ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """(loads [E], co-activation [E, E]) of a window's tokens [T, k], as a layer averages them."""
+    return (jnp.asarray(np.bincount(ids.reshape(-1), minlength=EXPERTS), jnp.float32),
+            jnp.asarray(coactivation(jnp.asarray(ids), EXPERTS), jnp.float32))
+
+
 def learned_placement(task: str, layer: int, topology, prompts: range) -> np.ndarray:
     """The placement re-placement computes from the window's loads and co-activation."""
     expert_ids, start = traces.load_esft_tokens(task)
     ids = expert_ids[start[prompts.start]:start[prompts.stop], layer]
-    loads = np.bincount(ids.reshape(-1), minlength=EXPERTS).astype(np.float32)
-    coact = np.asarray(coactivation(jnp.asarray(ids), EXPERTS), np.float32)
-    old = contiguous_placement(topology.num_ranks, EXPERTS)
-    return np.asarray(jax.jit(replace_homes, static_argnums=3)(jnp.asarray(loads), jnp.asarray(coact), old, topology))
+    return np.asarray(_replace(*window_statistics(ids), contiguous_placement(topology.num_ranks, EXPERTS), topology))
 
 
 def home_imbalance(counts: np.ndarray, placement: np.ndarray, gpus: int) -> tuple[float, float]:
@@ -111,15 +117,12 @@ def stability(topo_name: str, topology, task: str, layers: range) -> dict:
     across nodes, and the distinct nodes per token on the third (home experts only)."""
     expert_ids, start = traces.load_esft_tokens(task)
     cuts = [start[(len(start) - 1) * i // 3] for i in range(4)]
-    replace = jax.jit(replace_homes, static_argnums=3)
     gpus = topology.gpus_per_node
     moved, across, distinct = [], [], []
     for layer in layers:
         windows = [expert_ids[cuts[i]:cuts[i + 1], layer] for i in range(3)]
-        stats = [(jnp.asarray(np.bincount(w.reshape(-1), minlength=EXPERTS), jnp.float32),
-                  jnp.asarray(coactivation(jnp.asarray(w), EXPERTS), jnp.float32)) for w in windows[:2]]
-        first = replace(*stats[0], contiguous_placement(topology.num_ranks, EXPERTS), topology)
-        second = replace(*stats[1], first, topology)
+        first = _replace(*window_statistics(windows[0]), contiguous_placement(topology.num_ranks, EXPERTS), topology)
+        second = _replace(*window_statistics(windows[1]), first, topology)
         before, after = home_rank_of_experts(np.asarray(first), np), home_rank_of_experts(np.asarray(second), np)
         moved.append(int((before != after).sum()))
         across.append(int((before // gpus != after // gpus).sum()))

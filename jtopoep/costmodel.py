@@ -264,7 +264,12 @@ def ideal_layer_time(plan: Plan, topology: Topology, dims: ExpertDims, node_rows
     return {"gemm_s": gemm, "exchange_s": exchange, "weights_s": 0.0, "planning_s": 0.0, "total_s": gemm + exchange}
 
 
-def migration_seconds(old, new, topology: Topology, dims: ExpertDims, *, state_bytes_per_element: int = 12,
+# Bytes a migrated expert carries per weight element: float32 weights and AdamW's two float32 moments.
+MIGRATED_BYTES_PER_ELEMENT = 12
+
+
+def migration_seconds(old, new, topology: Topology, dims: ExpertDims, *,
+                      state_bytes_per_element: int = MIGRATED_BYTES_PER_ELEMENT,
                       replace_every: int = 1) -> float:
     """Seconds one re-placement takes to move the home experts that change rank (jtopoep.migration),
     divided over the `replace_every` steps it serves. Each moved expert carries its float32 weights

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from jtopoep.ordering import first_argmax, inverse_permutation
 from jtopoep.plan import home_rank_of_experts
 from jtopoep.topology import Topology
 
@@ -58,7 +59,7 @@ def _rank_within_groups(group: Int[Array, " n"]) -> Int[Array, " n"]:
     sorted_group = group[order]
     first = jnp.searchsorted(sorted_group, sorted_group, side="left")
     rank_sorted = jnp.arange(group.shape[0], dtype=jnp.int32) - first.astype(jnp.int32)
-    return jnp.zeros_like(rank_sorted).at[order].set(rank_sorted, unique_indices=True)
+    return rank_sorted[inverse_permutation(order)]
 
 
 def banded_assign(preferred: Int[Array, "bands m"], bins: int, width: int) -> Int[Array, "bands m"]:
@@ -131,11 +132,12 @@ def _swap_round(coact, load, node, band_items, partner, num_nodes: int, width: i
     spread = 2 * shift * (shift - (node_load[low] - node_load[partner[low]])[None, :, None, None])
     score = jnp.where((partner[low] != low)[None, :, None, None], kept - balance * num_nodes * spread, -jnp.inf)
     # Candidate 1: swaps that are each other's best (disjoint by construction) and pay on their own.
-    mutual = ((jnp.argmax(score, axis=3, keepdims=True) == jnp.arange(width)[None, None, None, :])
-              & (jnp.argmax(score, axis=2, keepdims=True) == jnp.arange(width)[None, None, :, None]) & (score > min_gain))
+    mutual = ((first_argmax(score, axis=3)[..., None] == jnp.arange(width)[None, None, None, :])
+              & (first_argmax(score, axis=2)[:, :, None, :] == jnp.arange(width)[None, None, :, None])
+              & (score > min_gain))
     # Candidate 2: each pair of nodes' single best swap (when swaps made together interfere).
     flat = score.transpose(1, 0, 2, 3).reshape(num_nodes, -1)
-    single = (jnp.arange(flat.shape[1])[None, :] == jnp.argmax(flat, axis=1)[:, None]) & (flat > min_gain)
+    single = (jnp.arange(flat.shape[1])[None, :] == first_argmax(flat, axis=1)[:, None]) & (flat > min_gain)
     single = single.reshape(num_nodes, *score.shape[:1], width, width).transpose(1, 0, 2, 3)
     is_low = (jnp.arange(num_nodes) == low)[None, :, None]
     best, best_node = before, node
@@ -206,7 +208,7 @@ def replace_homes(loads: Float[Array, " E"], coact: Float[Array, "E E"], old: In
     rank = jnp.zeros(num_experts, jnp.int32).at[by_node.reshape(-1)].set(
         (jnp.arange(nodes)[:, None] * gpus + local).reshape(-1), unique_indices=True)
     # Within a rank: experts that stay keep their order, newcomers follow by expert id.
-    old_slot = jnp.zeros(num_experts, jnp.int32).at[old.reshape(-1)].set(jnp.arange(num_experts, dtype=jnp.int32))
+    old_slot = inverse_permutation(old.reshape(-1))
     key = jnp.where(rank == old_rank, old_slot % home, home + jnp.arange(num_experts))
     order = jnp.lexsort((key, rank)).astype(jnp.int32).reshape(num_ranks, home)
     return jnp.where(loads.sum() > 0, order, old)  # no routing seen yet: nothing to go on

@@ -20,6 +20,7 @@ from jaxtyping import Array, Int, Shaped
 
 from jtopoep.homes import replace_homes
 from jtopoep.layer import ExpertParam, MoELayer
+from jtopoep.ordering import inverse_permutation
 from jtopoep.plan import home_rank_of_experts
 from jtopoep.topology import EP_AXES, Topology
 from jtopoep.transport import exchange
@@ -36,8 +37,7 @@ def migration_sizes(old: Int[ArrayLike, "R H"], new: Int[ArrayLike, "R H"]) -> I
 def slot_permutation(old: Int[ArrayLike, "R H"], new: Int[ArrayLike, "R H"]) -> Int[Array, " E"]:
     """[E]: for each new home slot, the old slot its expert comes from (new_array = old_array[perm])."""
     old, new = jnp.asarray(old), jnp.asarray(new)
-    old_slot = jnp.zeros(old.size, jnp.int32).at[old.reshape(-1)].set(jnp.arange(old.size, dtype=jnp.int32))
-    return old_slot[new.reshape(-1)]
+    return inverse_permutation(old.reshape(-1))[new.reshape(-1)]
 
 
 def migrate_local(rows: Shaped[Array, "H *feat"], old: Int[Array, "R H"], new: Int[Array, "R H"], *,

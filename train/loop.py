@@ -27,6 +27,7 @@ from orbax.checkpoint import multihost as ocp_multihost
 from tqdm import tqdm
 
 from jtopoep.config import MoEConfig, RunConfig, config_to_dict
+from jtopoep.costmodel import MIGRATED_BYTES_PER_ELEMENT
 from jtopoep.layer import ExpertParam
 from jtopoep.migration import rehome
 from jtopoep.router import bias_update
@@ -391,9 +392,8 @@ class Trainer:
         """Move the home experts (moe.replace_every); what moved, for the metrics row."""
         result = jax.device_get(self.rehome_step(self.model, self.optimizer))
         self._host_placement = np.asarray(result["placement"])
-        # Weights and AdamW's two moments, float32, of each moved expert.
         m = self.config.model
-        expert_bytes = 3 * 3 * m.d_model * m.expert_hidden * 4
+        expert_bytes = 3 * m.d_model * m.expert_hidden * MIGRATED_BYTES_PER_ELEMENT
         return {"moved_experts": [np.flatnonzero(moved).tolist() for moved in result["moved"]],
                 "migration_bytes_intra": (np.asarray(result["moved_intra"]) * expert_bytes).tolist(),
                 "migration_bytes_inter": (np.asarray(result["moved_inter"]) * expert_bytes).tolist()}
