@@ -14,11 +14,10 @@ $(VENV)/.installed: pyproject.toml
 run: $(VENV)/.installed
 	$(PY) -m train --config $(CONFIG) $(ARGS)
 
-# Two workers, each test file whole on one (its module-scoped compiled functions are shared within
-# it): on the 2-core CI machine the suite took 6.8 minutes this way against 9.8 in one process, in
-# the same slow spell (compiles are mostly single-threaded).
+# Two workers taking tests as they free up: with whole files per worker (--dist loadfile) the
+# trainer tests' file alone kept one worker busy after the other had finished.
 test: $(VENV)/.installed
-	$(PY) -m pytest -n 2 --dist loadfile $(ARGS)
+	$(PY) -m pytest -n 2 --dist worksteal $(ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) -m benchmarks.planners

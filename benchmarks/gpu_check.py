@@ -1,4 +1,4 @@
-"""GPU-only checks in one go (< 3 minutes): python -m benchmarks.gpu_check --out DIR
+"""GPU-only checks in one go (< 4 minutes): python -m benchmarks.gpu_check --out DIR
 
 1. the `ragged` transport (jax.lax.ragged_all_to_all) against the exact `dense` emulation: the MoE
    layer's output and gradients on a mesh of the GPUs present, every planner, flat and hierarchical;
@@ -6,11 +6,11 @@
 2. planner latency on the GPU (R = 32, E = 256, K = 2, jitted, median), beside the host eplb planner,
    and whether every loop of the compiled planners has a known trip count (else XLA:GPU reads its exit
    test on the host after every iteration: jtopoep.planners.rounds.run_rounds);
-3. the grouped GEMM's cost against its receive buffer: jax.lax.ragged_dot over the same real rows in
-   buffers of 1, 2 and R = 32 times those rows (XLA expands ragged_dot into a dense dot masked per
-   group unless a grouped-GEMM kernel takes it, so its time follows the buffer, not the rows; the
-   dispatch module bounds the buffer with recv_rows), and whether the compiled program kept a
-   ragged-dot or dense dots;
+3. the grouped GEMM, forward and backward, in receive buffers of 1, 1.25 and 2 times the rows that
+   arrived: `moe.gemm=xla` (jax.lax.ragged_dot; whether XLA kept a ragged-dot or expanded it into
+   dense dots per group, whose time follows groups x buffer rows) against `moe.gemm=pallas` (the
+   Mosaic GPU kernels, on Hopper), each against a float32 product;
+   and the whole layer with `moe.gemm=pallas` against `moe.gemm=xla`;
 4. whether XLA:GPU schedules the guest-weight transfer around the home-slot GEMM (the overlap the
    cost model assumes): in the compiled layer's schedule, the home GEMMs between the transfer's
    async start and done; and, with the weights in slices (moe.guest_weight_chunks), whether each
@@ -23,6 +23,7 @@ Writes DIR/gpu_check.json and prints a summary.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 
@@ -47,29 +48,29 @@ def mesh_shape(count: int) -> tuple[int, int]:
 SPEC = P(("node", "gpu"))
 
 
-def layer_inputs():
+def layer_inputs(d: int = 64, f: int = 96, dtype=np.float32):
     """(topology, mesh, sharded layer inputs, experts) for a Zipf-routed layer on the GPUs present."""
     nodes, gpus = mesh_shape(len(jax.devices()))
     topology = Topology(num_nodes=nodes, gpus_per_node=gpus)
     ranks = topology.num_ranks
     mesh = make_mesh(topology)
-    experts, top_k, d, f, tokens = 4 * ranks, 2, 64, 96, 37
+    experts, top_k, tokens = 4 * ranks, 2, 37
     rng = np.random.default_rng(0)
     p = 1.0 / np.arange(1, experts + 1) ** 1.1
     ids = np.stack([rng.choice(experts, top_k, replace=False, p=p / p.sum()) for _ in range(ranks * tokens)]).astype(np.int32)
-    x = rng.normal(size=(ranks * tokens, d)).astype(np.float32)
-    gates = rng.uniform(size=(ranks * tokens, top_k)).astype(np.float32)
-    w = [rng.normal(size=s).astype(np.float32) * 0.1 for s in [(experts, d, f), (experts, d, f), (experts, f, d)]]
+    x = jnp.asarray(rng.normal(size=(ranks * tokens, d)), dtype)
+    gates = jnp.asarray(rng.uniform(size=(ranks * tokens, top_k)), dtype)
+    w = [jnp.asarray(rng.normal(size=s) * 0.1, dtype) for s in [(experts, d, f), (experts, d, f), (experts, f, d)]]
     return topology, mesh, jax.device_put((x, ids, gates, *w), NamedSharding(mesh, SPEC)), experts
 
 
-def dispatch_layer(planner, mesh, experts: int, backend: str, hierarchical: bool = False):
+def dispatch_layer(planner, mesh, experts: int, backend: str, hierarchical: bool = False, gemm: str = "xla"):
     """The MoE layer's expert computation over the mesh: (x, ids, gates, w_gate, w_up, w_down) -> y."""
     placement = contiguous_placement(planner.topology.num_ranks, experts)
 
     def body(x, ids, gates, wg, wu, wd):
         return moe_dispatch(x, ids, gates, ExpertWeights(wg, wu, wd), placement, planner, backend=backend,
-                            hierarchical=hierarchical, weight_chunks=MoEConfig.guest_weight_chunks)[0]
+                            hierarchical=hierarchical, weight_chunks=MoEConfig.guest_weight_chunks, gemm=gemm)[0]
 
     return jax.shard_map(body, mesh=mesh, in_specs=(SPEC,) * 6, out_specs=SPEC)
 
@@ -94,6 +95,28 @@ def check_ragged(out: dict) -> None:
                               "all_ok": all(r["ok"] for r in results)}
 
 
+def check_pallas_layer(out: dict) -> None:
+    """The whole MoE layer (topoep, 2 guest slots, ragged transport, bfloat16, D 128, F 256) with
+    `moe.gemm=pallas` against `moe.gemm=xla`: output and gradients, relative to their largest entry."""
+    from jtopoep.gemm_hopper import hopper_available
+
+    if not hopper_available():
+        out["pallas_layer"] = {"skipped": "needs a Hopper GPU and JAX's Mosaic GPU kernels"}
+        print("pallas layer: skipped (no Hopper GPU)", flush=True)
+        return
+    topology, mesh, args, experts = layer_inputs(d=128, f=256, dtype=jnp.bfloat16)
+    planner = get_planner("topoep", topology=topology, num_experts=experts, guest_slots=2)
+    outs = {}
+    for gemm in ("xla", "pallas"):
+        layer = dispatch_layer(planner, mesh, experts, "ragged", gemm=gemm)
+        fn = jax.jit(jax.value_and_grad(lambda x, ids, g, *w: (layer(x, ids, g, *w).astype(jnp.float32) ** 2).sum(),
+                                        argnums=(0, 2, 3, 4, 5)))
+        outs[gemm] = [np.asarray(a, np.float32) for a in jax.tree.leaves(jax.device_get(fn(*args)))]
+    rel = max(float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)) for a, b in zip(outs["pallas"], outs["xla"]))
+    out["pallas_layer"] = {"max_rel_diff_vs_xla": rel, "ok": rel <= 2e-2}
+    print(f"pallas layer vs xla (bfloat16): max relative diff {rel:.2e}", flush=True)
+
+
 def check_kept_copies(out: dict, backend: str = "ragged") -> None:
     """Guest weights with copies kept from a previous micro-batch (jtopoep.guests), `backend`
     against `dense`: the fetched weights and the weights' gradient (the custom VJP's transpose of a
@@ -102,6 +125,10 @@ def check_kept_copies(out: dict, backend: str = "ragged") -> None:
 
     topology, mesh, args, experts = layer_inputs()
     ranks, slots = topology.num_ranks, 2
+    if ranks == 1:
+        out["kept_copies"] = {"skipped": "needs 2 or more GPUs: on one rank every expert is at home, so no guest is kept"}
+        print("kept copies: skipped (one GPU)", flush=True)
+        return
     rng = np.random.default_rng(1)
     home = np.arange(experts) // (experts // ranks)
     guests = np.array([rng.choice(np.flatnonzero(home != d), slots, replace=False) for d in range(ranks)], np.int32)
@@ -169,30 +196,67 @@ def planner_latency(out: dict) -> None:
     print("planner loops (known trip count / all):", loops, flush=True)
 
 
-def grouped_gemm(out: dict, d: int = 2048, f: int = 1408, rows: int = 4096 * 6) -> None:
-    """Forward+backward of one SwiGLU-shaped ragged_dot (DeepSeek-V2-Lite expert: D 2048, F 1408,
-    bfloat16) over 4 slots holding 24576 real rows (4096 tokens x top-6), in buffers of 1, 2 and 32
-    times that many rows."""
+def grouped_gemm(out: dict, d: int = 2048, f: int = 1408, rows: int = 4096 * 6, slots: int = 10) -> None:
+    """Forward+backward of one SwiGLU-shaped grouped GEMM (DeepSeek-V2-Lite expert: D 2048, F 1408,
+    bfloat16) over `slots` groups holding 24576 real rows (4096 tokens x top-6), in receive buffers of
+    1, 1.25 and 2 times that many rows: `moe.gemm=xla` (jax.lax.ragged_dot as XLA:GPU compiles it;
+    whether the compiled program kept a ragged-dot or dense dots) against `moe.gemm=pallas` (the
+    Mosaic GPU kernels on Hopper). Accuracy: both against a float32 product on random rows, with
+    large finite values in the rows past the groups (which must give zero output and zero gradient)."""
     import time
 
-    slots = 4
+    from jtopoep.gemm import grouped_matmul
+    from jtopoep.gemm_hopper import hopper_available
+
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.normal(size=(slots, d, f)) * 0.02, jnp.bfloat16)
-    sizes = jnp.asarray(np.full(slots, rows // slots), jnp.int32)
-    timings = {}
-    for factor in (1, 2, 32):
-        x = jnp.asarray(np.zeros((rows * factor, d)), jnp.bfloat16)
-        fn = jax.jit(jax.value_and_grad(lambda x, w: jax.lax.ragged_dot(x, w, sizes).astype(jnp.float32).sum(),
-                                        argnums=(0, 1)))
-        hlo = fn.lower(x, w).compile().as_text()
-        jax.block_until_ready(fn(x, w))
-        start = time.perf_counter()
-        for _ in range(5):
-            jax.block_until_ready(fn(x, w))
-        timings[f"buffer_x{factor}"] = {"ms": (time.perf_counter() - start) / 5 * 1e3,
-                                        "ragged_dot_kept": "ragged-dot" in hlo}
-        print(f"grouped GEMM, buffer {factor}x the rows: {timings[f'buffer_x{factor}']}", flush=True)
-    out["grouped_gemm"] = timings
+    sizes = jnp.asarray(np.diff(np.linspace(0, rows, slots + 1).astype(int)), jnp.int32)
+    gemms = ("xla", "pallas") if hopper_available() else ("xla",)
+    result = {"slots": slots, "rows": rows, "d": d, "f": f, "hopper_kernels": hopper_available()}
+
+    def loss(x, w, cotangent, gemm):
+        return (grouped_matmul(x, w, sizes, gemm).astype(jnp.float32) * cotangent).sum()
+
+    # accuracy, buffer 1.25x the rows
+    buffer = rows * 5 // 4
+    x = rng.normal(size=(buffer, d)).astype(np.float32)
+    x[rows:] = 1e4
+    cotangent = jnp.asarray(rng.normal(size=(buffer, f)), jnp.float32)
+    reference = jax.jit(jax.value_and_grad(lambda x, w: (jax.lax.ragged_dot(
+        x, w, sizes, precision=jax.lax.Precision.HIGHEST) * cotangent).sum(), argnums=(0, 1)))
+    x16 = jnp.asarray(x, jnp.bfloat16)
+    ref_value, (ref_dx, ref_dw) = reference(x16.astype(jnp.float32), w.astype(jnp.float32))
+    for gemm in gemms:
+        try:
+            fn = jax.jit(jax.value_and_grad(functools.partial(loss, cotangent=cotangent, gemm=gemm), argnums=(0, 1)))
+            value, (dx, dw) = fn(x16, w)
+            out_rows = grouped_matmul(x16, w, sizes, gemm)
+            rel = lambda a, b: float(jnp.abs(a.astype(jnp.float32) - b).max() / jnp.abs(b).max())
+            result[f"accuracy_{gemm}"] = {
+                "value_rel": abs(float(value) - float(ref_value)) / abs(float(ref_value)),
+                "grad_x_rel": rel(dx[:rows], ref_dx[:rows]), "grad_w_rel": rel(dw, ref_dw),
+                "rows_past_groups_zero": bool((out_rows[rows:] == 0).all() & (dx[rows:] == 0).all())}
+        except Exception as err:  # record and go on to the timings
+            result[f"accuracy_{gemm}"] = {"error": f"{type(err).__name__}: {err}"}
+        print(f"grouped GEMM accuracy {gemm}: {result[f'accuracy_{gemm}']}", flush=True)
+
+    for gemm in gemms:
+        for factor in (1, 1.25, 2):
+            key = f"{gemm}_buffer_x{factor:g}"
+            try:
+                x = jnp.zeros((int(rows * factor), d), jnp.bfloat16)
+                cotangent = jnp.ones((int(rows * factor), f), jnp.float32)
+                fn = jax.jit(jax.value_and_grad(functools.partial(loss, gemm=gemm), argnums=(0, 1)))
+                hlo = fn.lower(x, w, cotangent).compile().as_text()
+                jax.block_until_ready(fn(x, w, cotangent))
+                start = time.perf_counter()
+                for _ in range(5):
+                    jax.block_until_ready(fn(x, w, cotangent))
+                result[key] = {"ms": (time.perf_counter() - start) / 5 * 1e3, "ragged_dot_kept": "ragged-dot" in hlo}
+            except Exception as err:
+                result[key] = {"error": f"{type(err).__name__}: {err}"}
+            print(f"grouped GEMM {gemm}, buffer {factor:g}x the rows: {result[key]}", flush=True)
+    out["grouped_gemm"] = result
 
 
 def guest_overlap(out: dict, backend: str = "ragged") -> None:
@@ -204,6 +268,10 @@ def guest_overlap(out: dict, backend: str = "ragged") -> None:
     import re
 
     topology, mesh, args, experts = layer_inputs()
+    if topology.num_ranks == 1:
+        out["guest_overlap"] = {"skipped": "needs 2 or more GPUs: on one rank no guest weight is transferred"}
+        print("guest-weight overlap: skipped (one GPU)", flush=True)
+        return
     planner = get_planner("topoep", topology=topology, num_experts=experts, guest_slots=2)
     hlo = jax.jit(dispatch_layer(planner, mesh, experts, backend)).lower(*args).compile().as_text()
     entry = hlo[hlo.index("\nENTRY"):].splitlines()
@@ -242,19 +310,28 @@ def guest_overlap(out: dict, backend: str = "ragged") -> None:
           f"next slice's transfer: {overlapped}", flush=True)
 
 
+CHECKS = (check_ragged, check_kept_copies, check_migration, planner_latency, grouped_gemm, check_pallas_layer,
+          guest_overlap)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--only", nargs="+", choices=[c.__name__ for c in CHECKS], help="run these checks alone")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    out = {"devices": [d.device_kind for d in jax.devices()], "backend": jax.default_backend()}
-    for step in (check_ragged, check_kept_copies, check_migration, planner_latency, grouped_gemm, guest_overlap):
+    out = {"devices": [d.device_kind for d in jax.devices()], "backend": jax.default_backend(),
+           "jax": jax.__version__}
+    for step in CHECKS:
+        if args.only and step.__name__ not in args.only:
+            continue
         try:
             step(out)
         except Exception as err:  # record and go on: one failing check must not hide the others
             out[step.__name__ + "_error"] = f"{type(err).__name__}: {err}"
             print(f"{step.__name__} failed: {err}", flush=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(out, indent=1))
+        # after every check: a run stopped at its time limit keeps what it measured
+        (args.out / "gpu_check.json").write_text(json.dumps(out, indent=1))
     return out
 
 

@@ -167,8 +167,9 @@ class MoEConfig:
     # cluster projection's guest-weight term); more means narrower GEMMs and more collectives.
     guest_weight_chunks: int = 2
     # The experts' grouped GEMM (jtopoep.gemm): "xla" (jax.lax.ragged_dot, as XLA lowers it for the
-    # backend), "pallas" (megablox, a TPU kernel whose cost follows the rows in use; interpret mode
-    # elsewhere, for tests), "auto": pallas on TPU, xla elsewhere.
+    # backend), "pallas" (megablox on TPU; JAX's Mosaic GPU ragged dot on Hopper GPUs, bfloat16 with
+    # d_model and expert_hidden multiples of 128; megablox in interpret mode on CPU, for tests),
+    # "auto": pallas on TPU, xla elsewhere.
     gemm: str = "auto"
     sinkhorn_epsilon: float = TaotPlanner.epsilon  # taot only: entropic regularisation, in link-cost units
     sinkhorn_iters: int = TaotPlanner.iterations  # taot only: fixed Sinkhorn iteration count

@@ -1,13 +1,13 @@
 """The grouped GEMM of the expert slots: rows in slot order, group g multiplied by weights[g].
 
 Implementations (moe.gemm):
-- "xla": `jax.lax.ragged_dot`. How it runs is XLA's choice per backend: XLA:CPU expands it into a
-  dense dot over every group, masked, so its cost follows the buffer, not the rows that arrived;
-  recent XLA:GPU releases hand it to a grouped-GEMM library where they can
-  (`benchmarks/gpu_check.sh` times whether the one installed does: rows in use against rows held).
-- "pallas": the megablox grouped matmul (Pallas, TPU): tiles over the rows in use, with its own
-  backward (`jax.experimental.pallas.ops.tpu.megablox`); on other backends it runs in Pallas's
-  interpret mode, which is for tests, not speed.
+- "xla": `jax.lax.ragged_dot`. How it runs is XLA's choice per backend: XLA:CPU, and XLA:GPU as of
+  JAX 0.11, expand it into a dense dot per group over the whole buffer, masked, so its cost is
+  groups x buffer rows (`benchmarks/gpu_check.sh` records whether the installed XLA:GPU does).
+- "pallas": a Pallas grouped-GEMM kernel with its own backward. On TPU the megablox grouped matmul
+  (`jax.experimental.pallas.ops.tpu.megablox`), tiling the rows in use; on Hopper GPUs the Mosaic
+  GPU ragged dot (`jtopoep.gemm_hopper`), one pass over the buffer instead of one per group; on
+  other GPUs it is refused; on CPU megablox runs in Pallas's interpret mode, for tests, not speed.
 - "auto": "pallas" on TPU, "xla" elsewhere.
 """
 
@@ -35,6 +35,13 @@ def grouped_matmul(x: Float[Array, "M K"], weights: Float[Array, "G K N"], group
     gemm = resolve_gemm(gemm)
     if gemm == "xla":
         return jax.lax.ragged_dot(x, weights, group_sizes)
+    if jax.default_backend() == "gpu":
+        from jtopoep.gemm_hopper import hopper_available, hopper_grouped_matmul
+
+        if not hopper_available():
+            raise ValueError(f"moe.gemm=pallas on GPU needs a Hopper GPU (compute capability 9.0) and JAX's Mosaic GPU "
+                             f"ragged-dot kernels; found {jax.devices()[0].device_kind}: use moe.gemm=xla")
+        return hopper_grouped_matmul(x, weights, group_sizes)
     from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 
     rows, depth = x.shape

@@ -113,6 +113,20 @@ def test_gpu_check_finds_the_home_gemms_in_the_schedule(devices):
     assert found["slice_gemms_inside_next_transfer"] == {}
 
 
+def test_gpu_check_of_the_grouped_gemm_runs(devices):
+    """The GPU check's grouped-GEMM accuracy and timing at a small shape, XLA's ragged_dot alone on
+    CPU: near the float32 product, and zeros past the groups though those rows hold 1e4."""
+    from benchmarks import gpu_check
+
+    out = {}
+    gpu_check.grouped_gemm(out, d=128, f=128, rows=96, slots=3)
+    found = out["grouped_gemm"]
+    assert found["hopper_kernels"] is False and "accuracy_pallas" not in found
+    assert found["accuracy_xla"]["rows_past_groups_zero"]
+    assert max(found["accuracy_xla"][k] for k in ("value_rel", "grad_x_rel", "grad_w_rel")) < 1e-2
+    assert {k for k in found if k.startswith("xla_buffer")} == {"xla_buffer_x1", "xla_buffer_x1.25", "xla_buffer_x2"}
+
+
 def test_gpu_check_of_kept_copies_runs(devices):
     """The GPU check of kept guest copies, with the dense transport on both sides on CPU."""
     from benchmarks import gpu_check

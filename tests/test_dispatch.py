@@ -404,6 +404,21 @@ def test_unknown_gemm_is_refused():
         grouped_matmul(jnp.ones((4, 2)), jnp.ones((1, 2, 3)), jnp.array([4], jnp.int32), "cublas")
 
 
+def test_hopper_gemm_refuses_operands_its_tiles_do_not_fit():
+    """The Mosaic GPU kernels run on a GPU only; their operand checks run anywhere."""
+    from jtopoep.gemm_hopper import check_hopper_shapes, hopper_available
+
+    assert not hopper_available()  # no Hopper GPU here: moe.gemm=pallas stays on megablox's interpret mode
+    fits = jnp.ones((8, 128), jnp.bfloat16), jnp.ones((2, 128, 256), jnp.bfloat16)
+    check_hopper_shapes(*fits)
+    with pytest.raises(ValueError, match=r"needs bfloat16 or float16 activations and weights of one dtype; "
+                                         r"got float32 and bfloat16"):
+        check_hopper_shapes(fits[0].astype(jnp.float32), fits[1])
+    with pytest.raises(ValueError, match=r"needs d_model and expert_hidden \(per guest-weight slice: expert_hidden / "
+                                         r"moe.guest_weight_chunks\) multiples of 128; got a \[128, 96\] expert matrix"):
+        check_hopper_shapes(fits[0], jnp.ones((2, 128, 96), jnp.bfloat16))
+
+
 def test_layer_with_scattered_homes_matches_dense_loop(devices):
     """Any placement works: the expert weights are stored in home-slot order (row r * H + h holds
     expert placement[r, h]), and the layer gives the dense loop's values and gradients."""
