@@ -1,6 +1,9 @@
 """The benchmark scripts' building blocks run and produce sane numbers (small cases, no timing)."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from benchmarks import cluster
 from benchmarks.loads import all_families
@@ -164,3 +167,21 @@ def test_scale_benchmark_loads_keep_every_pair():
         mats = scale.loads(family, 16, 256, steps=2)
         assert mats.shape == (2, 16, 256) and (mats.sum(2) == scale.TOKENS * scale.TOP_K).all(), family
         assert (mats <= scale.TOKENS).all()
+
+
+def test_kernel_count_multiplies_loop_bodies_by_their_trip_count():
+    """benchmarks.kernels counts a loop's body once per iteration, and refuses a loop whose trip
+    count is not static."""
+    from benchmarks.kernels import kernel_count
+
+    def looped(trips):
+        return jax.jit(lambda x: jax.lax.fori_loop(0, trips, lambda i, x: jnp.sin(x) @ x + i, x)).lower(
+            jnp.ones((8, 8))).compile().as_text()
+
+    three, five, nine = (kernel_count(looped(n)) for n in (3, 5, 9))
+    per_trip = (nine - five) // 4
+    assert per_trip >= 1 and nine - five == 4 * per_trip and five - three == 2 * per_trip
+    open_ended = jax.jit(lambda x: jax.lax.while_loop(lambda x: x.sum() < 100, lambda x: x * 2, x)).lower(
+        jnp.ones(4)).compile().as_text()
+    with pytest.raises(ValueError, match="a loop without a known trip count"):
+        kernel_count(open_ended)

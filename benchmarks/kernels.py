@@ -1,0 +1,157 @@
+"""Kernels a planner launches per call, counted without a GPU: python -m benchmarks.kernels
+
+On a GPU the planners are chains of small dependent kernels, and their latency follows the kernel
+count, not the arithmetic (`benchmarks/results/gpu/`: on one H200 at R = 32, topoep, taot and eplb
+took 1.2-1.7 ms where the `none` planner's call took 0.13). This compiles each planner as the GPU
+runs it (rounds.run_rounds' loop at its full static trip count, not the CPU's early exit) with
+XLA:CPU, and counts the compiled program's kernels: every instruction of the entry computation
+but parameters, constants, tuples and bitcasts, and each loop's body times its trip count. XLA:GPU
+fuses differently from XLA:CPU, so the count is a proxy; `--calibrate FILE` fits
+latency = a + b x kernels to a gpu_check.json's planner latencies and projects each row with it.
+
+For R = 8 ... 1024 (nodes of 8 GPUs), E = max(256, R), K = 2. Writes benchmarks/results/kernels.json
+and kernels.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+
+import jax
+import numpy as np
+
+from benchmarks.planners import make
+from benchmarks.scale import GPUS, loads
+from jtopoep.config import TopologyConfig
+from jtopoep.planners import rounds
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RANKS = (8, 32, 64, 128, 256, 512, 1024)
+PLANNERS = ("none", "eplb", "topoep", "taot")
+FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
+
+
+def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
+    """{name: instruction lines} of a compiled HLO module's text, and the entry's name."""
+    found, current, entry = {}, None, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            current = head.group(2)
+            found[current] = []
+            entry = current if head.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            found[current].append(line)
+    return found, entry
+
+
+def _opcode(line: str) -> str | None:
+    line = re.sub(r"/\*[^*]*\*/", "", line)  # tuple types carry /*index=N*/ comments
+    found = re.search(r"=\s*(?:\([^=]*?\)|\S+)\s+([\w\-]+)\(", line)
+    return found.group(1) if found else None
+
+
+def kernel_count(hlo: str) -> int:
+    """Kernels one run of a compiled module launches: loops count their body times their known
+    trip count (a loop without one is refused: its count is not static), calls what they call,
+    conditionals their costlier branch."""
+    comps, entry = computations(hlo)
+
+    def count(name: str) -> int:
+        total = 0
+        for line in comps[name]:
+            op = _opcode(line)
+            if op is None or op in FREE:
+                continue
+            if op == "while":
+                trip = re.search(r'known_trip_count[\\"]*:\{[\\"]*n[\\"]*:[\\"]*(\d+)', line)
+                if trip is None:
+                    raise ValueError(f"a loop without a known trip count: {line.strip()[:120]}")
+                total += int(trip.group(1)) * count(re.search(r"body=%?([\w.\-]+)", line).group(1))
+            elif op == "call":  # XLA:CPU wraps small loops in calls
+                total += count(re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
+            elif op == "conditional":  # the predicate's read, then the costlier branch
+                branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+                names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else [
+                    re.search(r"true_computation=%?([\w.\-]+)", line).group(1),
+                    re.search(r"false_computation=%?([\w.\-]+)", line).group(1)]
+                total += 1 + max(count(b) for b in names)
+            else:
+                total += 1
+        return total
+
+    return count(entry)
+
+
+def planner_kernels(name: str, num_ranks: int) -> int:
+    """The compiled planner's kernel count, its loops at the GPU's static trip count."""
+    topology = TopologyConfig(num_nodes=max(num_ranks // GPUS, 1), gpus_per_node=min(GPUS, num_ranks)).to_topology()
+    num_experts = max(256, num_ranks)
+    sample = jax.numpy.asarray(loads("zipf-1.0", num_ranks, num_experts, 1)[0])
+    saved = rounds.EARLY_EXIT_PLATFORMS
+    rounds.EARLY_EXIT_PLATFORMS = ()  # compile the loop the GPU runs
+    try:
+        hlo = jax.jit(make(name, topology, num_experts, 2, 0.0)).lower(sample).compile().as_text()
+    finally:
+        rounds.EARLY_EXIT_PLATFORMS = saved
+    return kernel_count(hlo)
+
+
+def calibrate(table: dict, gpu_check: pathlib.Path) -> dict:
+    """Least-squares latency = a + b x kernels over the planners gpu_check timed at R = 32."""
+    measured = json.loads(gpu_check.read_text())["planner_latency_us"]
+    names = [n for n in PLANNERS if n in measured]
+    x = np.array([table[32][n] for n in names], float)
+    y = np.array([measured[n] for n in names], float)
+    slope, intercept = np.polyfit(x, y, 1)
+    return {"device": measured["device"], "intercept_us": float(intercept), "us_per_kernel": float(slope),
+            "measured_us": {n: float(measured[n]) for n in names},
+            "fitted_us": {n: float(intercept + slope * table[32][n]) for n in names}}
+
+
+def markdown(table: dict, fit: dict | None) -> str:
+    lines = ["Kernels per planner call as the GPU runs it (loops at their static trip count), counted in the "
+             "XLA:CPU-compiled program: `python -m benchmarks.kernels`. E = max(256, R), K = 2, nodes of 8 GPUs.", ""]
+    if fit:
+        lines += [f"Projected GPU latency (not measured beyond R = 32): {fit['intercept_us']:.0f} us + "
+                  f"{fit['us_per_kernel']:.2f} us x kernels, fitted to the {fit['device']} latencies at R = 32 "
+                  f"({', '.join(f'{n} {v:.0f} us' for n, v in fit['measured_us'].items())}); it counts "
+                  f"launches only, not the data each kernel moves, which grows with R.", ""]
+    columns = ["R"] + [f"{n} kernels" for n in PLANNERS]
+    columns += [f"{n} projected ms" for n in PLANNERS if n != "none"] if fit else []
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for ranks, row in table.items():
+        cells = [str(row[n]) for n in PLANNERS]
+        if fit:
+            cells += [f"{(fit['intercept_us'] + fit['us_per_kernel'] * row[n]) / 1e3:.2f}" for n in PLANNERS if n != "none"]
+        lines.append(f"| {ranks} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
+    parser.add_argument("--calibrate", type=pathlib.Path, default=RESULTS / "gpu" / "gpu_check.json",
+                        help="a gpu_check.json with planner latencies at R = 32 (none to skip)")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    table = {}
+    for ranks in args.ranks:
+        table[ranks] = {name: planner_kernels(name, ranks) for name in PLANNERS}
+        print(ranks, table[ranks], flush=True)
+    fit = calibrate(table, args.calibrate) if args.calibrate.exists() and 32 in table else None
+    result = {"kernels": {str(r): row for r, row in table.items()}, "gpu_fit": fit}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernels.json").write_text(json.dumps(result, indent=1))
+    (args.out / "kernels.md").write_text(markdown(table, fit))
+    print(markdown(table, fit))
+    return result
+
+
+if __name__ == "__main__":
+    main()
