@@ -33,7 +33,8 @@ def parse_args(argv):
     parser.add_argument("--num-processes", type=int, help="multi-process: number of processes")
     parser.add_argument("--process-id", type=int, help="multi-process: this process's id, from 0")
     parser.add_argument("--connect-timeout", type=int, default=120, metavar="SECONDS",
-                        help="multi-process: give up when not every process has joined after this long")
+                        help="multi-process: give up when not every process has joined after this long, "
+                             "or has built its model this long after the first")
     parser.add_argument("--peer-timeout", type=int, default=300, metavar="SECONDS",
                         help="multi-process: stop when no step has finished for this long (a peer died)")
     args = parser.parse_args(argv)
@@ -94,7 +95,7 @@ def train(args) -> int:
 
     from train.loop import Trainer
 
-    last = Trainer(config, fresh=args.fresh, peer_timeout=args.peer_timeout).run()
+    last = Trainer(config, fresh=args.fresh, peer_timeout=args.peer_timeout, start_timeout=args.connect_timeout).run()
     if jax.process_index() == 0 and last:
         print(f"done: step {last['step']} loss {last['loss']:.4f} eval {last.get('eval_loss', float('nan')):.4f} "
               f"-> {config.train.run_dir}")

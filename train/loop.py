@@ -217,9 +217,12 @@ class Hook:
 
 
 class Trainer:
-    def __init__(self, config: RunConfig, fresh: bool = False, peer_timeout: float = 300.0):
+    def __init__(self, config: RunConfig, fresh: bool = False, peer_timeout: float = 300.0,
+                 start_timeout: float = 120.0):
         """peer_timeout: in a multi-process run, seconds without a finished step (after the first,
-        which compiles) before this process stops, taking a peer for dead."""
+        which compiles) before this process stops, taking a peer for dead. start_timeout: how far
+        apart the processes may finish building their data and model (on a loaded host, more than a
+        short peer_timeout); the barrier before the first collective waits the longer of the two."""
         self.config = config
         self.peer_timeout = peer_timeout
         self.run_dir = pathlib.Path(config.train.run_dir)
@@ -247,8 +250,8 @@ class Trainer:
         if jax.process_count() > 1:
             # The first collective follows; Gloo gives a late peer only 30 s there, and processes
             # that build data and compile under load can be further apart. The distributed
-            # service's barrier waits up to the peer timeout instead.
-            ocp_multihost.sync_global_processes("jtopoep: model created", timeout=int(peer_timeout),
+            # service's barrier waits longer instead.
+            ocp_multihost.sync_global_processes("jtopoep: model created", timeout=int(max(peer_timeout, start_timeout)),
                                                 processes=set(range(jax.process_count())))
         replicate_unplaced(self.optimizer, self.mesh)
         self._host_placement: np.ndarray | None = None

@@ -34,7 +34,9 @@ def test_a_killed_peer_stops_the_other_process_with_one_line(devices, tmp_path):
         metrics = tmp_path / "run" / "metrics.jsonl"
         deadline = time.monotonic() + 300
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-            assert time.monotonic() < deadline and children[0].poll() is None, "the run never got going"
+            assert time.monotonic() < deadline and children[0].poll() is None, (
+                "the run never got going: " + (children[0].stderr.read()[-3000:] if children[0].poll() is not None
+                                               else "no third step logged in 300 s"))
             time.sleep(0.5)
         children[1].send_signal(signal.SIGKILL)
         killed = time.monotonic()
