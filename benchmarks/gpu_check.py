@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from benchmarks.kernels import trip_counts
 from benchmarks.loads import synthetic_families
 from benchmarks.planners import latency, make
 from jtopoep.config import MoEConfig
@@ -190,8 +191,8 @@ def planner_latency(out: dict) -> None:
     for name in ("topoep", "taot"):
         # The planners latency() timed: with expert shapes, so topoep's locality swaps are in too.
         hlo = jax.jit(make(name, topology, 256, 2, 0.0)).lower(counts).compile().as_text()
-        whiles = [line for line in hlo.splitlines() if " while(" in line]
-        loops[name] = {"loops": len(whiles), "known_trip_count": sum("known_trip_count" in w for w in whiles)}
+        trips = trip_counts(hlo)
+        loops[name] = {"loops": len(trips), "known_trip_count": sum(t is not None for t in trips)}
     out["planner_loops"] = loops
     print("planner loops (known trip count / all):", loops, flush=True)
 

@@ -56,6 +56,17 @@ def _opcode(line: str) -> str | None:
     return found.group(1) if found else None
 
 
+def loop_trip_count(line: str) -> int | None:
+    """A compiled `while` instruction's known trip count, None where XLA found none."""
+    trip = re.search(r'known_trip_count[\\"]*:\{[\\"]*n[\\"]*:[\\"]*(\d+)', line)
+    return int(trip.group(1)) if trip else None
+
+
+def trip_counts(hlo: str) -> list[int | None]:
+    """Every loop of a compiled module: its known trip count, or None."""
+    return [loop_trip_count(line) for line in hlo.splitlines() if _opcode(line) == "while"]
+
+
 def kernel_count(hlo: str) -> int:
     """Kernels one run of a compiled module launches: loops count their body times their known
     trip count (a loop without one is refused: its count is not static), calls what they call,
@@ -69,10 +80,10 @@ def kernel_count(hlo: str) -> int:
             if op is None or op in FREE:
                 continue
             if op == "while":
-                trip = re.search(r'known_trip_count[\\"]*:\{[\\"]*n[\\"]*:[\\"]*(\d+)', line)
-                if trip is None:
+                trips = loop_trip_count(line)
+                if trips is None:
                     raise ValueError(f"a loop without a known trip count: {line.strip()[:120]}")
-                total += int(trip.group(1)) * count(re.search(r"body=%?([\w.\-]+)", line).group(1))
+                total += trips * count(re.search(r"body=%?([\w.\-]+)", line).group(1))
             elif op == "call":  # XLA:CPU wraps small loops in calls
                 total += count(re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
             elif op == "conditional":  # the predicate's read, then the costlier branch

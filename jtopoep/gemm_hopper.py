@@ -23,11 +23,6 @@ STAGES = 4  # pipelined operand tiles in shared memory: 4 x 2 x 16 KiB + a 32 Ki
 DTYPES = (jnp.bfloat16, jnp.float16)
 
 
-def is_hopper(device: jax.Device | None = None) -> bool:
-    device = device or jax.devices()[0]
-    return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
-
-
 def check_hopper_shapes(x: jax.Array, weights: jax.Array) -> None:
     """One clear line when the operands do not fit the kernels' tiles."""
     if x.dtype != weights.dtype or x.dtype not in DTYPES:
@@ -94,4 +89,5 @@ def hopper_available() -> bool:
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu  # noqa: F401
     except ImportError:
         return False
-    return is_hopper()
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
