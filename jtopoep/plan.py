@@ -54,11 +54,11 @@ def home_rank_of_experts(placement: Int[ArrayLike, "R H"], xp=jnp) -> Int[ArrayL
 def home_plan(counts: Int[Array, "R E"], placement: Int[Array, "R H"], guest_slots: int) -> Plan:
     """Every pair goes to its expert's home slot; guest slots stay empty (the 'none' planner)."""
     num_ranks = counts.shape[0]
-    home_route = counts[:, placement]  # [s, d, h]
-    slot_expert = jnp.concatenate(
-        [placement.astype(jnp.int32), jnp.full((num_ranks, guest_slots), -1, jnp.int32)], axis=1)
-    route = jnp.concatenate(
-        [home_route.astype(jnp.int32), jnp.zeros((num_ranks, num_ranks, guest_slots), jnp.int32)], axis=2)
+    # Gathered by the flat placement: indexing by the [R, H] array itself, XLA:CPU gave the route
+    # a transposed layout and copied it (9 ms at 1024 ranks against 0.7).
+    home_route = counts[:, placement.reshape(-1)].reshape(num_ranks, num_ranks, -1).astype(jnp.int32)  # [s, d, h]
+    slot_expert = jnp.pad(placement.astype(jnp.int32), ((0, 0), (0, guest_slots)), constant_values=-1)
+    route = jnp.pad(home_route, ((0, 0), (0, 0), (0, guest_slots))) if guest_slots else home_route
     return Plan(slot_expert, route)
 
 

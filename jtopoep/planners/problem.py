@@ -46,14 +46,16 @@ class CopyProblem(NamedTuple):
 
     @classmethod
     def build(cls, counts: Int[Array, "R E"], placement: Int[Array, "R H"], gpus_per_node: int) -> "CopyProblem":
-        loads = counts.sum(0)
         num_ranks = counts.shape[0]
+        # Each home's pairs less those its own node's sources send come from [N, E] node totals,
+        # not a [R, R] source-by-home table (R^2 H gathered elements at 1024 ranks).
+        node_counts = counts.reshape(num_ranks // gpus_per_node, gpus_per_node, -1).sum(1)
+        loads = node_counts.sum(0)
         target = ceil_div(loads.sum(), num_ranks)
         rank_loads = loads[placement].sum(1)
         home_rank = home_rank_of_experts(placement)
-        node = jnp.arange(num_ranks) // gpus_per_node
-        to_home = counts[:, placement].sum(-1)  # [source, home rank]
-        remote = jnp.where(node[:, None] != node[None, :], to_home, 0).sum(0)
+        own_node = (jnp.arange(num_ranks) // gpus_per_node)[:, None]
+        remote = rank_loads - node_counts[own_node, placement].sum(1)
         share = remote.astype(jnp.float32) / jnp.maximum(rank_loads, 1).astype(jnp.float32)
         return cls(loads, rank_loads, target, home_rank, share)
 

@@ -6,8 +6,9 @@ their intervals: every slot takes exactly its quota and every pair lands. With l
 node first keeps what it can of an expert's pairs on its own slots of that expert (min of its
 sources' pairs and its slots' quotas), laid out the same way within the node; the rest crosses.
 
-Prefix-sum tables of [R, E] and one fused pass over the route's [R, R x S] entries: no loop, no
-search, no sort.
+Node-level [N, E] tables, the sources' [R, E] intervals, the slots' [R x S] intervals, then one
+fused pass over the route's [R, R x S] entries for what crosses and one over the [G, G x S] blocks
+on its diagonal for what stays in a node: no loop, no search, no sort.
 """
 
 from __future__ import annotations
@@ -19,16 +20,12 @@ from jax.typing import ArrayLike
 from jaxtyping import Int
 
 from jtopoep.plan import Plan
-from jtopoep.planners.arrays import overlap, prefix_sum, scatter_add
+from jtopoep.planners.arrays import exclusive_prefix_sum, prefix_sum, scatter_add
 
 
-def _node_prefix(x, gpus_per_node: int, xp):
-    """([R, E] inclusive prefix sums over each node's ranks, [N, E] node totals) of x [R, E]. Two
-    levels (within nodes, then over the node totals) where one scan over all R ranks takes log2(R)
-    passes over the whole table."""
-    num_ranks = x.shape[0]
-    within = prefix_sum(x.reshape(num_ranks // gpus_per_node, gpus_per_node, -1), 1, xp)
-    return within.reshape(num_ranks, -1), within[:, -1]
+def _overlap_of(lo, hi, slot_lo, slot_hi, xp):
+    """Length of [lo, hi) inside [slot_lo, slot_hi), for lo <= hi: one clip per end."""
+    return (xp.minimum(xp.maximum(hi, slot_lo), slot_hi) - xp.minimum(xp.maximum(lo, slot_lo), slot_hi))
 
 
 def plan_from_quotas(counts: Int[ArrayLike, "R E"], slot_expert: Int[ArrayLike, "R S"], quota: Int[ArrayLike, "R S"],
@@ -37,44 +34,44 @@ def plan_from_quotas(counts: Int[ArrayLike, "R E"], slot_expert: Int[ArrayLike, 
     to its load. tiered=False is the topology-oblivious split (sources and slots in rank order)."""
     num_ranks, num_experts = counts.shape
     num_slots = slot_expert.shape[1]
-    counts = counts.astype(xp.int32)
+    nodes, gpus = num_ranks // gpus_per_node, gpus_per_node
+    counts = counts.astype(xp.int32).reshape(nodes, gpus, num_experts)
     flat_expert = slot_expert.reshape(-1)
-    expert = xp.maximum(flat_expert, 0)
+    expert = xp.maximum(flat_expert, 0)  # [R S]; an empty slot has quota 0, so it takes nothing
     rank = xp.repeat(xp.arange(num_ranks, dtype=xp.int32), num_slots)
+    slot_node, slot_gpu = rank // gpus, rank % gpus
     quota = xp.where(flat_expert >= 0, quota.reshape(-1), 0).astype(xp.int32)
-    # [rank, expert] tables: each rank holds an expert in at most one slot.
-    held = scatter_add((num_ranks, num_experts), (rank, expert), quota, xp)
-    node_source_hi, node_supply = _node_prefix(counts, gpus_per_node, xp)  # [R, E], [N, E]
-    node_slot_hi, node_room = _node_prefix(held, gpus_per_node, xp)
+    # Quotas by (node, gpu, expert): each rank holds an expert in at most one slot.
+    held = scatter_add((nodes, gpus, num_experts), (slot_node, slot_gpu, expert), quota, xp)
+    supply, room = counts.sum(1), held.sum(1)  # [N, E]
+    kept = xp.minimum(supply, room) if tiered else xp.zeros_like(supply)  # pairs each node keeps
+    # Crossing pairs are laid out node after node: each node's sources give theirs beyond the kept
+    # ones (which its first sources in rank order give), each node's slots take theirs likewise.
+    source_before = exclusive_prefix_sum(supply - kept, 0, xp)
+    slot_before = exclusive_prefix_sum(room - kept, 0, xp)
+    source_hi = prefix_sum(counts, 1, xp)  # [N, G, E]: within the node
+    source_lo = source_hi - counts
+    rest_hi = (source_before[:, None] + source_hi - xp.minimum(source_hi, kept[:, None])).reshape(num_ranks, -1)
+    rest_lo = (source_before[:, None] + source_lo - xp.minimum(source_lo, kept[:, None])).reshape(num_ranks, -1)
+    # Each slot's interval among its node's slots of its expert: the quotas of the ranks up to its own.
+    slot_hi = xp.where(xp.arange(gpus)[None, :] <= slot_gpu[:, None], held[slot_node, :, expert], 0).sum(1)
+    slot_lo = slot_hi - quota
+    slot_kept = kept[slot_node, expert]
+    take_lo, take_hi = xp.minimum(slot_lo, slot_kept), xp.minimum(slot_hi, slot_kept)
+    cross_lo = slot_before[slot_node, expert] + slot_lo - take_lo
+    cross_hi = slot_before[slot_node, expert] + slot_hi - take_hi
+    route = _overlap_of(rest_lo[:, expert], rest_hi[:, expert], cross_lo, cross_hi, xp)  # [R, R S]
     if tiered:
-        kept = xp.minimum(node_supply, node_room)  # [N, E] pairs each node keeps of each expert
-    else:
-        kept = xp.zeros_like(node_supply)
-    kept_at = xp.repeat(kept, gpus_per_node, axis=0)  # [R, E]
-    # What crosses, laid out over all ranks: each source's pairs beyond the kept ones its node's
-    # sources give in rank order (min(prefix, kept) of them up to each source), each slot's quota
-    # beyond the kept ones its node's slots take in rank order.
-    before = xp.repeat(prefix_sum(node_supply - kept, 0, xp) - (node_supply - kept), gpus_per_node, axis=0)
-    rest_hi = before + node_source_hi - xp.minimum(node_source_hi, kept_at)
-    rest_lo = before + (node_source_hi - counts) - xp.minimum(node_source_hi - counts, kept_at)
-    before = xp.repeat(prefix_sum(node_room - kept, 0, xp) - (node_room - kept), gpus_per_node, axis=0)
-    cross_hi = before + node_slot_hi - xp.minimum(node_slot_hi, kept_at)
-    cross_lo = before + (node_slot_hi - held) - xp.minimum(node_slot_hi - held, kept_at)
-    in_lo = xp.minimum(node_slot_hi - held, kept_at)
-    in_hi = xp.minimum(node_slot_hi, kept_at)
-    # The tables are computed once (behind a barrier, or XLA would fuse them into every element of
-    # the gathers below), then every source (rows) against every slot (columns) in one fused pass.
-    # Each [R, E] table is gathered on its own: one gather of the four stacked ran five times slower.
-    sources = (rest_lo, rest_hi, node_source_hi - counts, node_source_hi)
-    slots = tuple(t[rank, expert][None, :] for t in (cross_lo, cross_hi, in_lo, in_hi))
-    if xp is not np:
-        sources, slots = jax.lax.optimization_barrier((sources, slots))
-    route = overlap(sources[0][:, expert], sources[1][:, expert], slots[0], slots[1], xp)
-    if tiered:
-        # Within the node, sources give and slots take the kept pairs in rank order.
-        rank_node = xp.arange(num_ranks, dtype=xp.int32) // gpus_per_node
-        same_node = rank_node[:, None] == (rank // gpus_per_node)[None, :]
-        route = route + xp.where(same_node, overlap(sources[2][:, expert], sources[3][:, expert], slots[2], slots[3],
-                                                    xp), 0)
-    route = xp.where((flat_expert >= 0)[None, :], route, 0)
+        # The kept pairs, sources giving and slots taking in rank order, only meet within a node:
+        # the [G, G x S] blocks on the route's diagonal, each from its own node's rows.
+        node_expert = expert.reshape(nodes, 1, gpus * num_slots)
+        in_hi = xp.take_along_axis(source_hi, node_expert, axis=2)  # [N, G, G S]
+        in_lo = xp.take_along_axis(source_lo, node_expert, axis=2)
+        inside = _overlap_of(in_lo, in_hi, take_lo.reshape(nodes, 1, -1), take_hi.reshape(nodes, 1, -1), xp)
+        route = route.reshape(nodes, gpus, nodes, gpus * num_slots)
+        node = xp.arange(nodes)
+        if xp is np:
+            route[node, :, node, :] += inside
+        else:
+            route = route.at[node, :, node, :].add(inside, unique_indices=True, indices_are_sorted=True)
     return Plan(slot_expert.astype(xp.int32), route.reshape(num_ranks, num_ranks, num_slots).astype(xp.int32))
