@@ -23,6 +23,9 @@ def ceil_div(a, b):
 # the elements times the block length); above it as an associative scan (log2(n) passes, each a few
 # kernels). On XLA:CPU a small planner is a graph of many tiny kernels, and their count sets its time.
 _BLOCKED_LIMIT = 1 << 18
+# Up to this many element-steps a prefix sum is one cumsum: one kernel whose quadratic work is
+# still less than the launches of the blocked form (a GPU runs the planners launch-bound).
+_ONE_KERNEL_LIMIT = 1 << 17
 
 
 def prefix_sum(x, axis: int = 0, xp=jnp):
@@ -34,7 +37,7 @@ def prefix_sum(x, axis: int = 0, xp=jnp):
         return np.cumsum(x, axis=axis)
     axis = axis % x.ndim
     n = x.shape[axis]
-    if n <= 16:
+    if n <= 16 or x.size * n <= _ONE_KERNEL_LIMIT:
         return jnp.cumsum(x, axis=axis)
     block = 1 << ((n - 1).bit_length() + 1) // 2  # a power of two near sqrt(n)
     if x.size * block > _BLOCKED_LIMIT:

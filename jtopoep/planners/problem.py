@@ -129,16 +129,18 @@ def _home_transfers(expert, dest, amount, new, held, problem: CopyProblem, shipp
 
 def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[Array, " P"],
                   new: Bool[Array, " P"], held: Bool[Array, " P"], problem: CopyProblem, shipped: Shipped,
-                  pricing: Pricing | None, gpus_per_node: int) -> Bool[Array, " P"]:
+                  pricing: Pricing | None, gpus_per_node: int) -> tuple[Bool[Array, " P"], Int[Array, "P 4"]]:
     """Which of P proposed copies (expert onto dest rank, taking amount pairs off its home; new:
     it takes a slot, else it adds to a copy the rank has; held: the rank holds the expert from the
-    step's previous micro-batch, so only gradients ship) to make, all decided at once.
+    step's previous micro-batch, so only gradients ship) to make, all decided at once; and the
+    transfers each made one adds at its home (`ship` takes them).
 
     Each home rank's proposals are taken largest first while each pays: its GEMM seconds saved at
     least the rise of the largest exposed transfer (forward and backward) once it and the larger ones
     are made. Larger proposals pay first, so a home's accepted ones are a prefix of its list."""
     if pricing is None:
-        return amount > 0
+        made = amount > 0
+        return made, _home_transfers(expert, dest, amount, new & made, held, problem, shipped, gpus_per_node)
     num = expert.shape[0]
     home = problem.home_rank[jnp.maximum(expert, 0)]
     across = (home // gpus_per_node) != (dest // gpus_per_node)
@@ -149,8 +151,11 @@ def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[
     kinds = _home_transfers(expert, dest, amount, new, held, problem, shipped, gpus_per_node, position)
     home_s, amount_s, kinds_s = home[order], amount[order], kinds[order]
     segment = jnp.where(amount > 0, home, num_ranks)[order]
-    shed = segmented_prefix_sum(jnp.maximum(amount_s, 0), segment, num_ranks + 1) + shipped.shed[home_s]
-    copies = segmented_prefix_sum(kinds_s, segment, num_ranks + 1) + shipped.copies[home_s]
+    # Pairs shed and transfers made so far at each home, one segmented pass over both.
+    running = segmented_prefix_sum(jnp.concatenate([jnp.maximum(amount_s, 0)[:, None], kinds_s], 1), segment,
+                                   num_ranks + 1)
+    shed = running[:, 0] + shipped.shed[home_s]
+    copies = running[:, 1:] + shipped.copies[home_s]
     loads = problem.rank_loads[home_s]
     after = _exposed(copies, shed, loads, pricing)
     before = _exposed(copies - kinds_s, shed - amount_s, loads, pricing)
@@ -159,12 +164,14 @@ def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[
     # exchange term where hot experts' homes receive the most.
     gain = amount_s.astype(jnp.float32) * (pricing.pair_s + problem.remote_share[home_s] * pricing.pair_exchange_s)
     least = jnp.where(across[order], pricing.least_pairs[1], pricing.least_pairs[0])
+    sorted_index = jnp.arange(num, dtype=jnp.int32)
 
     def accepted(floors):
         rise = sum(jnp.maximum(a, m) - jnp.maximum(b, m) for a, b, m in zip(after, before, floors))
         pays = (amount_s > 0) & (gain >= rise) & (amount_s >= least)
         # A home's proposals after one that does not pay are not made either.
-        return pays & ~(segmented_prefix_sum((~pays).astype(jnp.int32), segment, num_ranks + 1) > 0)
+        first_refused = jnp.full(num_ranks + 1, num, jnp.int32).at[segment].min(jnp.where(pays, num, sorted_index))
+        return pays & (sorted_index < first_refused[segment])
 
     # The cost model charges the most exposed rank. First each home's copies are judged against the
     # maxima the copies already made leave; then again against the maxima those accepted ones reach
@@ -173,13 +180,17 @@ def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[
     first = accepted(floors)
     floors = tuple(jnp.maximum(m, jnp.where(first, a, 0.0).max()) for m, a in zip(floors, after))
     made = accepted(floors)
-    return jnp.zeros(num, bool).at[order].set(made, unique_indices=True)
+    # A home's accepted copies are the largest of its list, so each (expert, node)'s first one in
+    # that order, the one counted as crossing, is made whenever any of them is.
+    unsorted = jnp.zeros((num, 5), jnp.int32).at[order].set(jnp.concatenate([made[:, None], kinds_s], 1) * made[:, None],
+                                                          unique_indices=True)
+    return unsorted[:, 0] > 0, unsorted[:, 1:]
 
 
-def ship(shipped: Shipped, expert, dest, amount, new, held, problem: CopyProblem, gpus_per_node: int) -> Shipped:
-    """Shipped after the copies (expert onto dest taking amount; zero amounts are not made)."""
+def ship(shipped: Shipped, expert, dest, amount, new, kinds, problem: CopyProblem, gpus_per_node: int) -> Shipped:
+    """Shipped after the copies (expert onto dest taking amount; zero amounts are not made), whose
+    transfers at their homes paying_pieces gave."""
     home = problem.home_rank[jnp.maximum(expert, 0)]
-    kinds = _home_transfers(expert, dest, amount, new, held, problem, shipped, gpus_per_node)
     num_ranks = shipped.shed.shape[0]
     made = (amount > 0) & new
     key = jnp.where(made, jnp.maximum(expert, 0) * shipped.reached.shape[1] + dest // gpus_per_node,

@@ -145,7 +145,8 @@ def place(copies: Copies, expert: Int[Array, "R W"], amount: Int[Array, "R W"], 
              else (held[:, None, :] == expert[:, :, None]).any(2))
     dest = jnp.broadcast_to(jnp.arange(num_ranks, dtype=jnp.int32)[:, None], expert.shape)
     flat = [x.reshape(-1) for x in (expert, dest, amount, new, holds)]
-    made = paying_pieces(*flat, problem, copies.shipped, pricing, gpus_per_node).reshape(num_ranks, width)
+    made, kinds = paying_pieces(*flat, problem, copies.shipped, pricing, gpus_per_node)
+    made = made.reshape(num_ranks, width)
     amount = jnp.where(made, amount, 0)
     new = new & made
     position = copies.used[:, None] + prefix_sum(new.astype(jnp.int32), 1) - 1
@@ -155,7 +156,7 @@ def place(copies: Copies, expert: Int[Array, "R W"], amount: Int[Array, "R W"], 
     return Copies(guests, copies.quotas + added,
                   copies.kept - scatter_add(copies.kept.shape, (jnp.maximum(expert, 0).reshape(-1),),
                                             amount.reshape(-1)),
-                  ship(copies.shipped, *(x.reshape(-1) for x in (expert, dest, amount, new, holds)), problem,
+                  ship(copies.shipped, *(x.reshape(-1) for x in (expert, dest, amount, new)), kinds, problem,
                        gpus_per_node))
 
 
