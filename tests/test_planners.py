@@ -226,7 +226,7 @@ def test_a_held_copy_pays_where_a_shipped_one_does_not():
     def made(held, priced=pricing):
         return int(np.asarray(paying_pieces(jnp.zeros(7, jnp.int32), jnp.arange(1, 8), jnp.full(7, pairs),
                                             jnp.ones(7, bool), jnp.full(7, held), problem, Shipped.none(R, 16, 2), priced,
-                                            TOPO.gpus_per_node)).sum())
+                                            TOPO.gpus_per_node)[0]).sum())
 
     assert made(False) < made(True) <= 7 and made(False, None) == 7
 
@@ -246,13 +246,41 @@ def test_a_homes_copies_are_made_largest_first_while_they_pay():
     counts[0, 0] = int(amount.sum())  # the home sheds everything: no GEMM of its own left to hide behind
     problem = CopyProblem.build(jnp.asarray(counts), jnp.arange(16).reshape(R, 2), TOPO.gpus_per_node)
     made = paying_pieces(jnp.zeros(3, jnp.int32), jnp.arange(1, 4), amount, jnp.ones(3, bool), jnp.zeros(3, bool),
-                         problem, Shipped.none(R, 16, 2), pricing, TOPO.gpus_per_node)
+                         problem, Shipped.none(R, 16, 2), pricing, TOPO.gpus_per_node)[0]
     # The largest saves four transfers' worth and exposes less than one; the second would expose
     # both transfers in full for two transfers' worth; the smallest comes after it.
     assert list(np.asarray(made)) == [False, True, False]
     unpriced = paying_pieces(jnp.zeros(3, jnp.int32), jnp.arange(1, 4), amount, jnp.ones(3, bool),
-                             jnp.zeros(3, bool), problem, Shipped.none(R, 16, 2), None, TOPO.gpus_per_node)
+                             jnp.zeros(3, bool), problem, Shipped.none(R, 16, 2), None, TOPO.gpus_per_node)[0]
     assert np.asarray(unpriced).all()
+
+
+def test_the_transfers_paying_pieces_gives_are_those_of_the_copies_it_makes():
+    """ship adds the transfers paying_pieces returns: at every home they sum to the transfers of
+    the made copies counted afresh (the crossing copy of each (expert, node) may be another one)."""
+    from jtopoep.costmodel import ExpertDims
+    from jtopoep.planners.problem import CopyProblem, Pricing, Shipped, _home_transfers, paying_pieces
+
+    rng = np.random.default_rng(3)
+    pricing = Pricing.make(TOPO, ExpertDims(d_model=1024, expert_hidden=4096, bytes_per_element=2), 0.0, True)
+    decided = []
+    for _ in range(5):
+        counts = rng.integers(0, 400, (R, 16)).astype(np.int32)  # little GEMM to hide transfers behind
+        problem = CopyProblem.build(jnp.asarray(counts), jnp.arange(16).reshape(R, 2), TOPO.gpus_per_node)
+        num = 24
+        expert, dest = jnp.asarray(rng.integers(0, 16, num)), jnp.asarray(rng.integers(0, R, num))
+        amount = jnp.asarray(rng.integers(0, 3000, num) * (rng.random(num) < 0.8))
+        new, held = jnp.asarray(rng.random(num) < 0.7), jnp.asarray(rng.random(num) < 0.2)
+        shipped = Shipped.none(R, 16, R // TOPO.gpus_per_node)
+        made, kinds = paying_pieces(expert, dest, amount, new, held, problem, shipped, pricing, TOPO.gpus_per_node)
+        decided.append(np.asarray(made)[np.asarray(amount) > 0])
+        home = problem.home_rank[expert]
+        afresh = _home_transfers(expert, dest, jnp.where(made, amount, 0), new & made, held, problem, shipped,
+                                 TOPO.gpus_per_node)
+        np.testing.assert_array_equal(np.asarray(jnp.zeros((R, 4), jnp.int32).at[home].add(kinds)),
+                                      np.asarray(jnp.zeros((R, 4), jnp.int32).at[home].add(afresh)))
+    decided = np.concatenate(decided)
+    assert decided.any() and not decided.all()  # copies made and copies refused
 
 
 def test_match_lays_sorted_items_against_sorted_bins():
@@ -326,7 +354,9 @@ def test_a_home_pays_one_scale_out_transfer_per_node_it_reaches():
             problem, Shipped.none(R, 16, 2))
     kinds = np.asarray(_home_transfers(*args, TOPO.gpus_per_node))
     np.testing.assert_array_equal(kinds.sum(0), [0, 1, 0, 1])
-    assert np.asarray(paying_pieces(*args, pricing, TOPO.gpus_per_node)).all()
+    made, shipped_kinds = paying_pieces(*args, pricing, TOPO.gpus_per_node)
+    assert np.asarray(made).all()
+    np.testing.assert_array_equal(np.asarray(shipped_kinds).sum(0), [0, 1, 0, 1])  # what ship adds
 
 
 def test_rounds_that_stop_early_give_the_same_plans(monkeypatch):

@@ -113,7 +113,8 @@ def _home_transfers(expert, dest, amount, new, held, problem: CopyProblem, shipp
                     rank=None):
     """[P, 4] the transfers each copy adds at its home rank (Shipped.copies' columns): over NVLink to
     its own node; across nodes only for the first copy of its expert on a node not yet reached
-    (first in `rank` order, default index order), the relay serving the others."""
+    (first in `rank` order, default index order), the relay serving the others: its gradients, and
+    its weights if it is the first there that does not hold them already."""
     num = expert.shape[0]
     rank = jnp.arange(num, dtype=jnp.int32) if rank is None else rank
     home = problem.home_rank[jnp.maximum(expert, 0)]
@@ -121,10 +122,14 @@ def _home_transfers(expert, dest, amount, new, held, problem: CopyProblem, shipp
     across = (home // gpus_per_node) != node
     ships = (amount > 0) & new
     key = jnp.maximum(expert, 0) * shipped.reached.shape[1] + node
-    first = jnp.full(shipped.reached.size, num, jnp.int32).at[key].min(jnp.where(ships & across, rank, num))
-    opens = ships & across & (first[key] == rank) & ~shipped.reached.reshape(-1)[key]
+    crossing = ships & across & ~shipped.reached.reshape(-1)[key]
+
+    def first_of_key(candidate):
+        first = jnp.full(shipped.reached.size, num, jnp.int32).at[key].min(jnp.where(candidate, rank, num))
+        return candidate & (first[key] == rank)
+
     local = ships & ~across
-    return jnp.stack([local & ~held, opens & ~held, local, opens], 1).astype(jnp.int32)
+    return jnp.stack([local & ~held, first_of_key(crossing & ~held), local, first_of_key(crossing)], 1).astype(jnp.int32)
 
 
 def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[Array, " P"],
