@@ -198,19 +198,25 @@ __all__ = ["Copies", "match", "onto_nodes", "onto_ranks_of_nodes", "place", "wit
 
 def across_nodes(copies: Copies, problem: CopyProblem, placement, pricing: Pricing | None, held, gpus_per_node: int,
                  rounds: int) -> Copies:
-    """`rounds` rounds of: top up the room left behind full slots, then what still spills onto the
-    nodes with most room, then onto each node's ranks with most room (over-shedding into last slots).
-    Each round places what the rounds before left for want of a free slot or of room; one with
+    """`rounds` rounds of, decided together and priced at once: top up the room left behind full
+    slots; what spills, onto the nodes with most room, then onto each node's ranks with most room
+    (over-shedding into last slots). Each round places what the rounds before left for want of a
+    free slot or of room; one with
     nothing left to place changes nothing, so the loop may stop once no spill is left
     (run_rounds). A loop of identical rounds, so it compiles once."""
     slots = copies.guests.shape[1]
 
     def one_round(copies):
-        copies = place(copies, *top_up(copies, problem, placement), problem, placement, pricing, held, gpus_per_node)
+        # Top-ups go to ranks whose slots are full, the spill to ranks with a free slot: one
+        # placement decides both, the two sharing each home's pairs first come first served.
+        full_expert, full_amount = top_up(copies, problem, placement)
         room = copies.open_room(problem, placement)
         pieces = onto_nodes(copies.spill(problem, placement), room, gpus_per_node, slots)
-        proposals = onto_ranks_of_nodes(*pieces, room, gpus_per_node, slots)
-        return place(copies, *proposals, problem, placement, pricing, held, gpus_per_node, overshed=True)
+        open_expert, open_amount = onto_ranks_of_nodes(*pieces, room, gpus_per_node, slots)
+        expert = jnp.concatenate([full_expert, open_expert], 1)
+        amount = jnp.concatenate([full_amount, open_amount], 1)
+        amount = share_out(expert.reshape(-1), amount.reshape(-1), copies.kept).reshape(amount.shape)
+        return place(copies, expert, amount, problem, placement, pricing, held, gpus_per_node, overshed=True)
 
     return run_rounds(one_round, carry_like(copies, problem.loads), lambda c: c.spill(problem, placement).sum() > 0,
                       rounds)
