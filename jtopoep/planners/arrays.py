@@ -99,6 +99,8 @@ def order_by(segment: Int[Array, " n"], num_segments: int, largest_first: Int[Ar
     if largest_first is not None:
         bound = key_range(n)
         order = stable_order(descending_key(largest_first, bound), bound)
+    if num_segments == 1:
+        return order
     return order[stable_order(segment[order], num_segments)]
 
 

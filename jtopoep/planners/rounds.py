@@ -26,7 +26,8 @@ def _line(size, segment, num_segments: int):
     """(order, segment, upper end of each interval, in that order) for entries laid out by segment,
     then largest first; entries of size 0 go last. Also each segment's total."""
     segment = jnp.where(size > 0, segment, num_segments)
-    order = order_by(segment, num_segments + 1, size)
+    # With one segment, largest first already puts the empty entries last, in index order.
+    order = order_by(segment, num_segments + 1, size) if num_segments > 1 else order_by(segment * 0, 1, size)
     totals = scatter_add((num_segments + 1,), (segment,), size)
     sorted_size = size[order]
     within = prefix_sum(sorted_size) - exclusive_prefix_sum(totals)[segment[order]]
