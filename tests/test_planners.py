@@ -225,8 +225,8 @@ def test_a_held_copy_pays_where_a_shipped_one_does_not():
 
     def made(held, priced=pricing):
         return int(np.asarray(paying_pieces(jnp.zeros(7, jnp.int32), jnp.arange(1, 8), jnp.full(7, pairs),
-                                            jnp.ones(7, bool), jnp.full(7, held), problem, Shipped.none(R, 16, 2), priced,
-                                            TOPO.gpus_per_node)[0]).sum())
+                                            jnp.ones(7, bool), jnp.full(7, held), problem, Shipped.none(R, 16, 2),
+                                            priced, TOPO.gpus_per_node)[0]).sum())
 
     assert made(False) < made(True) <= 7 and made(False, None) == 7
 

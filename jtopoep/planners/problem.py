@@ -129,12 +129,14 @@ def _home_transfers(expert, dest, amount, new, held, problem: CopyProblem, shipp
         return candidate & (first[key] == rank)
 
     local = ships & ~across
-    return jnp.stack([local & ~held, first_of_key(crossing & ~held), local, first_of_key(crossing)], 1).astype(jnp.int32)
+    transfers = [local & ~held, first_of_key(crossing & ~held), local, first_of_key(crossing)]
+    return jnp.stack(transfers, 1).astype(jnp.int32)
 
 
 def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[Array, " P"],
                   new: Bool[Array, " P"], held: Bool[Array, " P"], problem: CopyProblem, shipped: Shipped,
-                  pricing: Pricing | None, gpus_per_node: int) -> tuple[Bool[Array, " P"], Int[Array, "P 4"]]:
+                  pricing: Pricing | None, gpus_per_node: int
+                  ) -> tuple[Bool[Array, " P"], Int[Array, "P 4"]]:
     """Which of P proposed copies (expert onto dest rank, taking amount pairs off its home; new:
     it takes a slot, else it adds to a copy the rank has; held: the rank holds the expert from the
     step's previous micro-batch, so only gradients ship) to make, all decided at once; and the
@@ -187,8 +189,8 @@ def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[
     made = accepted(floors)
     # A home's accepted copies are the largest of its list, so each (expert, node)'s first one in
     # that order, the one counted as crossing, is made whenever any of them is.
-    unsorted = jnp.zeros((num, 5), jnp.int32).at[order].set(jnp.concatenate([made[:, None], kinds_s], 1) * made[:, None],
-                                                          unique_indices=True)
+    decided = jnp.concatenate([made[:, None], kinds_s], 1) * made[:, None]
+    unsorted = jnp.zeros((num, 5), jnp.int32).at[order].set(decided, unique_indices=True)
     return unsorted[:, 0] > 0, unsorted[:, 1:]
 
 

@@ -105,14 +105,13 @@ def share_out(expert: Int[Array, " P"], want: Int[Array, " P"], available: Int[A
 def top_up(copies: Copies, problem: CopyProblem, placement) -> tuple[Int[Array, "R K"], Int[Array, "R K"]]:
     """Proposals [R, K] that fill the room left on ranks whose guest slots are all taken, by taking
     more of their guests' pairs off those guests' home slots (the room then opens on the homes,
-    which have free slots)."""
+    which have free slots). Each asks for up to all its home keeps: the caller shares them out."""
     slots = copies.guests.shape[1]
     room = jnp.where(copies.used == slots, copies.room(problem, placement), 0)
     available = copies.kept[jnp.maximum(copies.guests, 0)]
     want = jnp.where(copies.guests >= 0, available, 0)
-    want = jnp.clip(room[:, None] - (prefix_sum(want, 1) - want), 0, want)  # the rank's slots in order
-    granted = share_out(copies.guests.reshape(-1), want.reshape(-1), copies.kept)
-    return copies.guests, granted.reshape(copies.guests.shape)
+    # The rank's slots in order:
+    return copies.guests, jnp.clip(room[:, None] - (prefix_sum(want, 1) - want), 0, want)
 
 
 def place(copies: Copies, expert: Int[Array, "R W"], amount: Int[Array, "R W"], problem: CopyProblem,
