@@ -43,6 +43,7 @@ class CopyProblem(NamedTuple):
     target: Int[Array, ""]  # ceil(sum of loads / R): no plan's busiest rank can take fewer
     home_rank: Int[Array, " E"]
     remote_share: Float[Array, " R"]  # share of each rank's home pairs that come from other nodes
+    node_loads: Int[Array, "N E"]  # pairs each node's sources send each expert
 
     @classmethod
     def build(cls, counts: Int[Array, "R E"], placement: Int[Array, "R H"], gpus_per_node: int) -> "CopyProblem":
@@ -57,7 +58,7 @@ class CopyProblem(NamedTuple):
         own_node = (jnp.arange(num_ranks) // gpus_per_node)[:, None]
         remote = rank_loads - node_counts[own_node, placement].sum(1)
         share = remote.astype(jnp.float32) / jnp.maximum(rank_loads, 1).astype(jnp.float32)
-        return cls(loads, rank_loads, target, home_rank, share)
+        return cls(loads, rank_loads, target, home_rank, share, node_counts)
 
 
 class Pricing(NamedTuple):

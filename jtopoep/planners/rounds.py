@@ -193,7 +193,41 @@ def onto_nodes(spill: Int[Array, " E"], room: Int[Array, " R"], gpus_per_node: i
     return item.reshape(-1), node.reshape(-1), amount.reshape(-1)
 
 
-__all__ = ["Copies", "match", "onto_nodes", "onto_ranks_of_nodes", "place", "within_nodes"]
+def onto_demand(copies: Copies, problem: CopyProblem, placement, gpus_per_node: int, least, width: int):
+    """Proposals [R, width] that lay each expert's spill onto the nodes whose own sources send it
+    pairs no slot there takes yet, up to those pairs, node after node from its home node on: a copy
+    there keeps them on their node, so they cross no link. Pieces under `least` pairs are left to
+    later rounds (a slot spent on a sliver); each node's largest pieces against its ranks' room,
+    `width` a rank at most (the rest of its slots stay for the balancing rounds)."""
+    num_ranks, slots = copies.guests.shape
+    nodes, num_experts = problem.node_loads.shape
+    rank_node = jnp.arange(num_ranks, dtype=jnp.int32) // gpus_per_node
+    hosted = scatter_add((nodes, num_experts), (jnp.broadcast_to(rank_node[:, None], copies.guests.shape),
+                                                jnp.maximum(copies.guests, 0)),
+                         jnp.where(copies.guests >= 0, copies.quotas, 0))
+    spill = copies.spill(problem, placement)
+    home_node = problem.home_rank // gpus_per_node
+    at_home = jnp.arange(nodes, dtype=jnp.int32)[:, None] == home_node[None, :]
+    # The home slot keeps its own node's pairs first; what it cannot keep of them is demand there too.
+    demand = jnp.maximum(problem.node_loads - hosted - jnp.where(at_home, (copies.kept - spill)[None, :], 0), 0)
+    # Each expert's nodes in turn from its home node (copies there ship weights over NVLink only),
+    # so hot experts' first remote copies land on different nodes.
+    turn = (home_node[None, :] + jnp.arange(nodes, dtype=jnp.int32)[:, None]) % nodes  # [N, E]
+    in_turn = jnp.take_along_axis(demand, turn, axis=0)
+    piece = jnp.clip(spill[None, :] - exclusive_prefix_sum(in_turn, 0), 0, in_turn)
+    piece = jnp.take_along_axis(piece, (jnp.arange(nodes, dtype=jnp.int32)[:, None] - home_node[None, :]) % nodes,
+                                axis=0)  # back to node order
+    piece = jnp.where(piece >= least, piece, 0)
+    # A node has gpus x slots guest slots: only its largest pieces can each get one. float32 keys:
+    # XLA:CPU's top_k is a fast kernel for floats only (an int32 one sorts whole rows).
+    _, expert = jax.lax.top_k(piece.astype(jnp.float32), min(gpus_per_node * slots, num_experts))  # [N, G K]
+    piece = jnp.take_along_axis(piece, expert, axis=1)
+    node = jnp.broadcast_to(jnp.arange(nodes, dtype=jnp.int32)[:, None], piece.shape)
+    return onto_ranks_of_nodes(expert.reshape(-1), node.reshape(-1), piece.reshape(-1),
+                               copies.open_room(problem, placement), gpus_per_node, width)
+
+
+__all__ = ["Copies", "match", "onto_demand", "onto_nodes", "onto_ranks_of_nodes", "place", "within_nodes"]
 
 
 def across_nodes(copies: Copies, problem: CopyProblem, placement, pricing: Pricing | None, held, gpus_per_node: int,

@@ -2,6 +2,9 @@
 
 1. the copy problem (problem.CopyProblem): target T* = ceil(sum L / R), each rank above it sheds
    its excess, attributed to its home experts hottest first; ranks below it have room;
+1b. where the pairs come from (CopyingPlanner._where_tokens_come_from, with two guest slots or
+   more): each spilling expert's copies on the nodes whose own sources send it the pairs it
+   spills, up to those pairs, in half of each rank's slots: those pairs then cross no link;
 2. within nodes: each node's spill against its own ranks' room, largest first (rounds.match): those
    copies travel over NVLink only;
 3. across nodes, then within each node, in ACROSS_ROUNDS rounds: the spill left against the nodes'
@@ -35,6 +38,7 @@ ACROSS_ROUNDS = 4
 class TopoEPPlanner(CopyingPlanner):
     def _place(self, problem: CopyProblem, placement, copies: Copies, held) -> Copies:
         gpus, pricing = self.gpus_per_node, self.pricing
+        copies = self._where_tokens_come_from(problem, placement, copies, held)
         copies = place(copies, *within_nodes(copies, problem, placement, gpus), problem, placement, pricing, held,
                        gpus, overshed=True)
 
