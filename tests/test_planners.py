@@ -417,7 +417,7 @@ def test_copies_where_the_pairs_come_from_cut_inter_node_bytes_at_the_same_balan
         return [summarize(jax.device_get(plan(jnp.asarray(c))), c, topology, dims) for c in mats]
 
     with_round = run()
-    monkeypatch.setattr(CopyingPlanner, "_where_tokens_come_from", lambda self, problem, placement, copies, held: copies)
+    monkeypatch.setattr(CopyingPlanner, "_where_tokens_come_from", lambda self, problem, placement, copies, _: copies)
     without = run()
     for a, b in zip(with_round, without):
         assert a["imbalance"] <= a["imbalance_lower_bound"] * 1.001
