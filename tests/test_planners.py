@@ -405,7 +405,7 @@ def test_copies_where_the_pairs_come_from_cut_inter_node_bytes_at_the_same_balan
     and still balances to the bound."""
     from jtopoep import traces
     from jtopoep.config import TopologyConfig
-    from jtopoep.planners.base import CopyingPlanner
+    from jtopoep.planners.topoep import TopoEPPlanner
 
     topology = TopologyConfig(num_nodes=4, gpus_per_node=8).to_topology()
     dims = DIMS.__class__(d_model=2048, expert_hidden=1408, bytes_per_element=2)
@@ -417,7 +417,7 @@ def test_copies_where_the_pairs_come_from_cut_inter_node_bytes_at_the_same_balan
         return [summarize(jax.device_get(plan(jnp.asarray(c))), c, topology, dims) for c in mats]
 
     with_round = run()
-    monkeypatch.setattr(CopyingPlanner, "_where_tokens_come_from", lambda self, problem, placement, copies, _: copies)
+    monkeypatch.setattr(TopoEPPlanner, "_where_tokens_come_from", lambda self, problem, placement, copies, _: copies)
     without = run()
     for a, b in zip(with_round, without):
         assert a["imbalance"] <= a["imbalance_lower_bound"] * 1.001

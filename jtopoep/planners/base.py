@@ -12,10 +12,10 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Int
 
-from jtopoep.costmodel import EXCHANGES_PER_LAYER, ExpertDims
+from jtopoep.costmodel import ExpertDims
 from jtopoep.plan import Plan, home_plan
 from jtopoep.planners.problem import CopyProblem, Pricing
-from jtopoep.planners.rounds import Copies, onto_demand, place
+from jtopoep.planners.rounds import Copies
 from jtopoep.planners.routing import plan_from_quotas
 from jtopoep.topology import Topology
 
@@ -104,22 +104,6 @@ class CopyingPlanner(PlannerBase):
 
     def _place(self, problem: CopyProblem, placement, copies: Copies, held) -> Copies:
         raise NotImplementedError
-
-    def _where_tokens_come_from(self, problem: CopyProblem, placement, copies: Copies, held) -> Copies:
-        """The first round of both planners: copies of each spilling expert on the nodes whose own
-        sources send it the pairs it spills (rounds.onto_demand), so those pairs cross no link, in at
-        most half of each rank's guest slots (the rest stay for balancing: with one slot, none)."""
-        width = self.guest_slots // 2
-        if self.topology.num_nodes == 1 or width == 0:
-            return copies
-        # A piece must keep enough pairs on its node that their crossings outweigh its weights and
-        # gradients crossing, and take half a rank's load: smaller ones left room on ranks whose
-        # slots they had taken, which the balancing rounds could then not fill.
-        least = problem.target // 2
-        if self.dims is not None:
-            least = jnp.maximum(least, int(2 * self.dims.expert_bytes / (EXCHANGES_PER_LAYER * self.dims.pair_bytes)))
-        proposals = onto_demand(copies, problem, placement, self.gpus_per_node, least, width)
-        return place(copies, *proposals, problem, placement, self.pricing, held, self.gpus_per_node, overshed=True)
 
 
 __all__ = ["CopyingPlanner", "PlannerBase"]
