@@ -113,16 +113,24 @@ def planner_kernels(name: str, num_ranks: int) -> int:
     return kernel_count(hlo)
 
 
-def calibrate(table: dict, gpu_check: pathlib.Path) -> dict:
-    """Least-squares latency = a + b x kernels over the planners gpu_check timed at R = 32."""
+def calibrate(table: dict, gpu_check: pathlib.Path) -> dict | None:
+    """Least-squares latency = a + b x kernels over the planners gpu_check timed at R = 32, each at the
+    kernel count of the program it timed (planner_kernels.json beside gpu_check.json: the planners
+    change between GPU runs, and today's counts against older latencies would fit nothing); None
+    without those counts."""
+    timed = gpu_check.with_name("planner_kernels.json")
+    if not timed.exists():
+        print(f"no {timed}: the latency line is not fitted (it needs the counts of the programs gpu_check timed)")
+        return None
+    counts = json.loads(timed.read_text())["kernels"]
     measured = json.loads(gpu_check.read_text())["planner_latency_us"]
-    names = [n for n in PLANNERS if n in measured]
-    x = np.array([table[32][n] for n in names], float)
+    names = [n for n in PLANNERS if n in measured and n in counts]
+    x = np.array([counts[n] for n in names], float)
     y = np.array([measured[n] for n in names], float)
     slope, intercept = np.polyfit(x, y, 1)
     return {"device": measured["device"], "intercept_us": float(intercept), "us_per_kernel": float(slope),
             "measured_us": {n: float(measured[n]) for n in names},
-            "fitted_us": {n: float(intercept + slope * table[32][n]) for n in names}}
+            "fitted_us": {n: float(intercept + slope * counts[n]) for n in names}, "timed_kernels": counts}
 
 
 def markdown(table: dict, fit: dict | None) -> str:
@@ -131,7 +139,8 @@ def markdown(table: dict, fit: dict | None) -> str:
     if fit:
         lines += [f"Projected GPU latency (not measured beyond R = 32): {fit['intercept_us']:.0f} us + "
                   f"{fit['us_per_kernel']:.2f} us x kernels, fitted to the {fit['device']} latencies at R = 32 "
-                  f"({', '.join(f'{n} {v:.0f} us' for n, v in fit['measured_us'].items())}); it counts "
+                  f"({', '.join(f'{n} {v:.0f} us' for n, v in fit['measured_us'].items())}, at their kernel counts then: "
+                  f"{', '.join(f'{n} {v}' for n, v in fit['timed_kernels'].items())}); it counts "
                   f"launches only, not the data each kernel moves, which grows with R.", ""]
     columns = ["R"] + [f"{n} kernels" for n in PLANNERS]
     columns += [f"{n} projected ms" for n in PLANNERS if n != "none"] if fit else []
@@ -155,7 +164,7 @@ def main(argv=None) -> dict:
     for ranks in args.ranks:
         table[ranks] = {name: planner_kernels(name, ranks) for name in PLANNERS}
         print(ranks, table[ranks], flush=True)
-    fit = calibrate(table, args.calibrate) if args.calibrate.exists() and 32 in table else None
+    fit = calibrate(table, args.calibrate) if args.calibrate.exists() else None
     result = {"kernels": {str(r): row for r, row in table.items()}, "gpu_fit": fit}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernels.json").write_text(json.dumps(result, indent=1))
