@@ -113,7 +113,7 @@ def planner_kernels(name: str, num_ranks: int) -> int:
     return kernel_count(hlo)
 
 
-def calibrate(table: dict, gpu_check: pathlib.Path) -> dict | None:
+def calibrate(gpu_check: pathlib.Path) -> dict | None:
     """Least-squares latency = a + b x kernels over the planners gpu_check timed at R = 32, each at the
     kernel count of the program it timed (planner_kernels.json beside gpu_check.json: the planners
     change between GPU runs, and today's counts against older latencies would fit nothing); None
@@ -164,7 +164,7 @@ def main(argv=None) -> dict:
     for ranks in args.ranks:
         table[ranks] = {name: planner_kernels(name, ranks) for name in PLANNERS}
         print(ranks, table[ranks], flush=True)
-    fit = calibrate(table, args.calibrate) if args.calibrate.exists() else None
+    fit = calibrate(args.calibrate) if args.calibrate.exists() else None
     result = {"kernels": {str(r): row for r, row in table.items()}, "gpu_fit": fit}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernels.json").write_text(json.dumps(result, indent=1))

@@ -75,6 +75,12 @@ def copy_break_even_pairs(topology: Topology, dims: ExpertDims) -> tuple[float, 
     return moved / topology.intra_bw / per_pair, moved / topology.inter_bw / per_pair
 
 
+def crossing_break_even_pairs(dims: ExpertDims) -> float:
+    """Pairs whose token exchanges across nodes carry as many bytes as one guest copy's weights out
+    and gradients back: a copy on a node pays in scale-out bytes when it keeps more of them there."""
+    return 2.0 * dims.expert_bytes / (EXCHANGES_PER_LAYER * dims.pair_bytes)
+
+
 def link_class(topology: Topology) -> np.ndarray:
     """0 same rank, 1 same node, 2 across nodes, as an [R, R] array."""
     node = np.arange(topology.num_ranks) // topology.gpus_per_node

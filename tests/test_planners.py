@@ -405,10 +405,11 @@ def test_copies_where_the_pairs_come_from_cut_inter_node_bytes_at_the_same_balan
     and still balances to the bound."""
     from jtopoep import traces
     from jtopoep.config import TopologyConfig
+    from jtopoep.costmodel import ExpertDims
     from jtopoep.planners.topoep import TopoEPPlanner
 
     topology = TopologyConfig(num_nodes=4, gpus_per_node=8).to_topology()
-    dims = DIMS.__class__(d_model=2048, expert_hidden=1408, bytes_per_element=2)
+    dims = ExpertDims(d_model=2048, expert_hidden=1408, bytes_per_element=2)
     planner = get_planner("topoep", topology=topology, num_experts=256, guest_slots=2, dims=dims)
     mats = traces.zipf(32, 256, 4096, 8, s, steps=3, drift=8, seed=1)
 

@@ -26,7 +26,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jtopoep.costmodel import EXCHANGES_PER_LAYER
+from jtopoep.costmodel import crossing_break_even_pairs
 from jtopoep.planners.base import CopyingPlanner
 from jtopoep.planners.problem import CopyProblem
 from jtopoep.planners.rounds import Copies, across_nodes, onto_demand, place, within_nodes
@@ -51,7 +51,7 @@ class TopoEPPlanner(CopyingPlanner):
         # slots they had taken, which the balancing rounds could then not fill.
         least = problem.target // 2
         if self.dims is not None:
-            least = jnp.maximum(least, int(2 * self.dims.expert_bytes / (EXCHANGES_PER_LAYER * self.dims.pair_bytes)))
+            least = jnp.maximum(least, int(crossing_break_even_pairs(self.dims)))
         proposals = onto_demand(copies, problem, placement, self.gpus_per_node, least, width)
         return place(copies, *proposals, problem, placement, self.pricing, held, self.gpus_per_node, overshed=True)
 
