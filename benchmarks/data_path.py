@@ -13,7 +13,7 @@ slots, bfloat16):
   slowest rank, relay (scale-out rows, then NVLink pairs) against flat, summed over the layers.
 - Drops against the receive-buffer capacity factor (moe.recv_capacity_factor): the pairs each plan
   loses when every rank's receive buffer, and every relay's, holds factor x T x k rows (the cuts of
-  jtopoep.dispatch.fit_route and jtopoep.relay.fit_relays), on the same real traces and on the
+  jtopoep.rank_route.cut_columns and cut_relays), on the same real traces and on the
   synthetic families of benchmarks.scale; and the factor each planner would need to drop nothing.
 
 Writes benchmarks/results/data_path.json and data_path.md.
@@ -33,9 +33,9 @@ from benchmarks.planners import DIMS, make
 from benchmarks.scale import loads as synthetic_loads
 from jtopoep import traces, xla_cpu
 from jtopoep.costmodel import exchange_seconds_per_rank, guest_transfers, relay_exchange_seconds_per_rank
-from jtopoep.dispatch import assign_slots, fit_route
+from jtopoep.dispatch import assign_slots
 from jtopoep.plan import Plan, contiguous_placement
-from jtopoep.relay import fit_relays, relay_pairs
+from jtopoep.rank_route import cut_columns, cut_relays
 from jtopoep.topology import Topology
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -68,7 +68,7 @@ def _destinations(ids, plan):
     num_experts = EXPERTS
     counts = jax.vmap(lambda i: jnp.zeros(num_experts, jnp.int32).at[i].add(1))(ids)
     ranks = jnp.arange(ids.shape[0], dtype=jnp.int32)
-    return jax.vmap(assign_slots, in_axes=(0, 0, None, 0))(ids, counts, plan, ranks)
+    return jax.vmap(assign_slots, in_axes=(0, 0, None, 0))(ids, counts, plan.slot_expert, plan.route[ranks])
 
 
 def _token_nodes(ids: np.ndarray, plan: Plan, gpus: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -154,9 +154,13 @@ def cut(route: np.ndarray, factor: float, gpus: int) -> dict:
     """Pairs dropped when every receive buffer and relay holds factor x T x k rows, and the factor
     that would drop nothing."""
     route = jnp.asarray(route)
+    num_ranks, _, num_slots = route.shape
     rows = int(np.ceil(factor * TOKENS * TOP_K))
-    kept = fit_relays(fit_route(route, rows), rows, gpus)
-    needed = max(int(route.sum((0, 2)).max()), int(relay_pairs(route, gpus).sum((2, 3, 4)).max()))
+    by_node = route.reshape(num_ranks, num_ranks // gpus, gpus, num_slots)  # each node's columns
+    kept = jax.vmap(lambda columns: cut_relays(cut_columns(columns, rows), rows), in_axes=1, out_axes=1)(by_node)
+    # A relay (n, g) forwards the pairs of the sources (n', g) to node n:
+    relayed = by_node.reshape(num_ranks // gpus, gpus, num_ranks // gpus, -1).sum((0, 3))  # [g, n]
+    needed = max(int(route.sum((0, 2)).max()), int(relayed.max()))
     return {"dropped": int(route.sum() - kept.sum()), "needed": needed / (TOKENS * TOP_K)}
 
 

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks.kernels import trip_counts
 from benchmarks.loads import synthetic_families
-from benchmarks.planners import latency, make
+from benchmarks.planners import in_layer, latency, make
 from jtopoep.config import MoEConfig
 from jtopoep.dispatch import ExpertWeights, moe_dispatch
 from jtopoep.plan import contiguous_placement
@@ -190,7 +190,7 @@ def planner_latency(out: dict) -> None:
     loops = {}
     for name in ("topoep", "taot"):
         # The planners latency() timed: with expert shapes, so topoep's locality swaps are in too.
-        hlo = jax.jit(make(name, topology, 256, 2, 0.0)).lower(counts).compile().as_text()
+        hlo = jax.jit(in_layer(make(name, topology, 256, 2, 0.0))).lower(counts).compile().as_text()
         trips = trip_counts(hlo)
         loops[name] = {"loops": len(trips), "known_trip_count": sum(t is not None for t in trips)}
     out["planner_loops"] = loops

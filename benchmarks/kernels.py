@@ -23,7 +23,7 @@ import re
 import jax
 import numpy as np
 
-from benchmarks.planners import make
+from benchmarks.planners import in_layer, make
 from benchmarks.scale import GPUS, loads
 from jtopoep.config import TopologyConfig
 from jtopoep.planners import rounds
@@ -107,7 +107,7 @@ def planner_kernels(name: str, num_ranks: int) -> int:
     saved = rounds.EARLY_EXIT_PLATFORMS
     rounds.EARLY_EXIT_PLATFORMS = ()  # compile the loop the GPU runs
     try:
-        hlo = jax.jit(make(name, topology, num_experts, 2, 0.0)).lower(sample).compile().as_text()
+        hlo = jax.jit(in_layer(make(name, topology, num_experts, 2, 0.0))).lower(sample).compile().as_text()
     finally:
         rounds.EARLY_EXIT_PLATFORMS = saved
     return kernel_count(hlo)

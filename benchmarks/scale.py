@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from benchmarks import deepseek_eplb
-from benchmarks.planners import DIMS, make, pin_to_one_core, set_cpu_dispatch, time_call
+from benchmarks.planners import DIMS, in_layer, make, pin_to_one_core, set_cpu_dispatch, time_call
 from jtopoep import traces, xla_cpu
 from jtopoep.config import TopologyConfig
 from jtopoep.metrics import summarize
@@ -87,7 +87,7 @@ def at_scale(num_ranks: int, steps: int, calls: int, skip: set[str]) -> dict:
             sample = jax.numpy.asarray(families["zipf-1.0"][0])
             if priced:
                 start = time.perf_counter()
-                compiled = fn.lower(sample).compile()
+                compiled = jax.jit(in_layer(planner)).lower(sample).compile()
                 row["compile_s"][name] = time.perf_counter() - start
                 row["latency_s"][name] = time_call(compiled, sample, calls)
             key = f"{name}{'' if priced else ' (unpriced)'}"

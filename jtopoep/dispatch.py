@@ -2,18 +2,21 @@
 
     x f[T, D], expert_ids i[T, k], gates f[T, k]          this rank's tokens and router output
     counts  = all_gather(bincount(expert_ids))  i[R, E]  identical on every rank
-    plan    = planner(counts, placement, held)            identical on every rank (held: the guest
-              experts kept from the previous micro-batch, or None)
+    quotas  = planner.quotas(counts, placement, held)     identical on every rank: the expert in each
+              slot and the pairs it takes (held: the guest experts kept from the previous
+              micro-batch, or None)
+    route   : this rank's row of the route, route[me, d, j], and its node's columns, cut to the
+              receive buffers (jtopoep.rank_route): O(R x S) a rank, never the [R, R, S] whole
     assign  : pair p -> (rank d, slot j): on this source the pairs of expert e, in [T, k] order,
-              fill the slots holding e in ascending (d, j) order, plan.route[me, d, j] each
+              fill the slots holding e in ascending (d, j) order, route[me, d, j] each
     exchange: hierarchical (the default on several nodes): each token once to every node it
               reaches, fanned out there over NVLink (jtopoep.relay); flat: the pairs sorted by
-              destination slot, send sizes plan.route[me].sum(1), straight to their ranks
-              (transport.exchange); either way regrouped at the destination by slot
+              destination slot, send sizes route[me].sum(1), straight to their ranks
+              (transport.exchange_rows); either way regrouped at the destination by slot
     guests  : each guest slot's weights fanned out from its expert's home rank, or kept
               from the previous micro-batch of the step (jtopoep.guests), in `weight_chunks`
               slices of the hidden width, each its own transfer
-    experts : SwiGLU over the S = H + K slots with jax.lax.ragged_dot, group sizes plan.route[:, me].sum(0):
+    experts : SwiGLU over the S = H + K slots with jax.lax.ragged_dot, group sizes route[:, me].sum(0):
               one grouped GEMM for the home slots and one per slice for the guest slots, so that the
               home GEMM does not depend on the guest weights and each slice's GEMM only on its own,
               and XLA may overlap the transfers with them
@@ -47,34 +50,26 @@ from jaxtyping import Array, Float, Int
 
 from jtopoep.gemm import grouped_matmul
 from jtopoep.guests import ExpertWeights, GuestCopies, fetch_guest_weights, join_hidden
-from jtopoep.plan import Plan, home_plan
-from jtopoep.planners.base import PlannerBase
-from jtopoep.planners.none import NonePlanner
 from jtopoep.ordering import inverse_permutation, stable_order
-from jtopoep.metrics import inter_node_pairs
-from jtopoep.relay import fit_relays, relay_dispatch, relay_worst_rows
-from jtopoep.transport import exchange, exclusive_cumsum, regroup
+from jtopoep.planners.base import PlannerBase, home_quotas
+from jtopoep.planners.none import NonePlanner
+from jtopoep.planners.routing import SlotQuotas
+from jtopoep.rank_route import rank_route
+from jtopoep.relay import relay_dispatch, relay_worst_rows
+from jtopoep.transport import exchange_rows, exclusive_cumsum, regroup
 
 
 class DispatchStats(NamedTuple):
     counts: Int[Array, "R E"]  # all-gathered routing counts of this layer
-    plan: Plan  # the planner's plan, before any cut to the receive buffer
+    quotas: SlotQuotas  # the planner's slots and quotas, before any cut to the receive buffer
     dropped: Int[Array, ""]  # pairs the receive buffers could not take (0: the layer is exact)
+    planned_crossing: Int[Array, ""]  # pairs the plan sends across nodes, before any cut
     # Token rows that crossed nodes, every rank's summed: one per (token, node) reached with the
     # deduplicated hierarchical dispatch, one per pair without.
     scaleout_rows: Int[Array, ""]
     # This rank's guest copies after the layer, for the next micro-batch of the same optimizer step
     # (moe_dispatch's `previous`); None when the plan has no guest slots.
     guests: GuestCopies | None = None
-
-
-def fit_route(route: Int[Array, "R R S"], recv_rows: int) -> Int[Array, "R R S"]:
-    """The route with each destination's rows cut to recv_rows, keeping them in (source, slot) order:
-    the order in which they land in its receive buffer."""
-    num_ranks, _, num_slots = route.shape
-    by_dest = route.transpose(1, 0, 2).reshape(num_ranks, num_ranks * num_slots)
-    kept = jnp.clip(recv_rows - exclusive_cumsum(by_dest, axis=1), 0, by_dest)
-    return kept.reshape(num_ranks, num_ranks, num_slots).transpose(1, 0, 2)
 
 
 def receive_rows(capacity_factor: float, pairs_per_rank: int, num_ranks: int) -> int:
@@ -84,17 +79,14 @@ def receive_rows(capacity_factor: float, pairs_per_rank: int, num_ranks: int) ->
     return worst if capacity_factor == 0 else min(worst, math.ceil(capacity_factor * pairs_per_rank))
 
 
-def _my_rank(topology_gpus: int, axes=("node", "gpu")):
-    return jax.lax.axis_index(axes[0]) * topology_gpus + jax.lax.axis_index(axes[1])
-
-
-def assign_slots(expert_ids: Int[Array, " A"], local_counts: Int[Array, " E"], plan: Plan, me,
-                 partial: bool = False) -> Int[Array, " A"]:
+def assign_slots(expert_ids: Int[Array, " A"], local_counts: Int[Array, " E"], slot_expert: Int[Array, "R S"],
+                 sent: Int[Array, "R S"], partial: bool = False) -> Int[Array, " A"]:
     """Flat destination slot d * S + j of each of this source's pairs, by the plan's rule: the pairs of
-    expert e, in order, fill the slots holding e in ascending (d, j) order.
+    expert e, in order, fill the slots holding e in ascending (d, j) order, sent[d, j] each (this
+    source's row of the route).
 
-    partial: the route may send fewer pairs of an expert than this source has (fit_route cut it);
-    those left over, the last of the expert's pairs, get R * S, past every slot."""
+    partial: the route may send fewer pairs of an expert than this source has (a receive buffer cut
+    it); those left over, the last of the expert's pairs, get R * S, past every slot."""
     num_pairs = expert_ids.shape[0]
     num_experts = local_counts.shape[0]
     order = stable_order(expert_ids, num_experts)
@@ -102,9 +94,9 @@ def assign_slots(expert_ids: Int[Array, " A"], local_counts: Int[Array, " E"], p
     rank_in_sorted = jnp.arange(num_pairs, dtype=jnp.int32) - expert_start[expert_ids[order]]
     # position of each pair on the line of all this source's pairs, laid out expert by expert
     line_sorted = expert_start[expert_ids[order]] + rank_in_sorted
-    slot_expert = plan.slot_expert.reshape(-1)
+    slot_expert = slot_expert.reshape(-1)
     num_slots = slot_expert.shape[0]
-    sent = jax.lax.dynamic_index_in_dim(plan.route, me, 0, keepdims=False).reshape(-1)  # [R*S]
+    sent = sent.reshape(-1)  # [R*S]
     holder = jnp.where(slot_expert >= 0, slot_expert, num_experts)  # expert of each slot, E if empty
     if partial:
         # Keys e * (R*S + 1) + slot leave one more entry after each expert's slots: the pairs they do
@@ -186,18 +178,18 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
     num_tokens, top_k = expert_ids.shape
     num_pairs = num_tokens * top_k
     num_ranks, num_experts = topology.num_ranks, planner.num_experts
-    me = _my_rank(gpus, axes)
+    node, gpu = jax.lax.axis_index(axes[0]), jax.lax.axis_index(axes[1])
 
     with jax.named_scope("plan"):
         flat_ids = expert_ids.reshape(-1).astype(jnp.int32)
         local_counts = jnp.zeros(num_experts, jnp.int32).at[flat_ids].add(1)
         counts = jax.lax.all_gather(local_counts, axes)  # [R, E]
         if isinstance(planner, NonePlanner):
-            plan = home_plan(counts, placement, 0)  # fast path: no guest slots at all
+            quotas = home_quotas(counts, placement, 0)  # fast path: no guest slots at all
         else:
-            plan = planner(counts, placement, None if previous is None else previous.experts)
+            quotas = planner.quotas(counts, placement, None if previous is None else previous.experts)
     home = placement.shape[1]
-    num_slots = plan.slot_expert.shape[1]
+    num_slots = quotas.slot_expert.shape[1]
     worst = num_ranks * num_pairs  # every source sends all its pairs here
     recv_rows = worst if recv_rows is None else recv_rows
     if not 1 <= recv_rows <= worst:
@@ -205,49 +197,53 @@ def moe_dispatch(x: Float[Array, "T D"], expert_ids: Int[Array, "T k"], gates: F
     relay = hierarchical and topology.num_nodes > 1
     relay_worst = relay_worst_rows(topology.num_nodes, num_pairs)
     relay_rows = min(recv_rows, relay_worst)
-    partial = recv_rows < worst or (relay and relay_rows < relay_worst)
-    route = fit_route(plan.route, recv_rows) if recv_rows < worst else plan.route
-    if relay and relay_rows < relay_worst:
-        route = fit_relays(route, relay_rows, gpus)
-    dropped = plan.route.sum() - route.sum() if partial else jnp.zeros((), plan.route.dtype)
+    recv_cut = recv_rows if recv_rows < worst else None
+    relay_cut = relay_rows if relay and relay_rows < relay_worst else None
+    partial = recv_cut is not None or relay_cut is not None
+    with jax.named_scope("route"):
+        routes = rank_route(counts, quotas, planner.tiered, node, gpu, gpus, recv_rows=recv_cut, relay_rows=relay_cut,
+                            node_axis=axes[0])
 
     with jax.named_scope("permute"):
-        dest = assign_slots(flat_ids, local_counts, Plan(plan.slot_expert, route), me, partial)
-    my_route = jax.lax.dynamic_index_in_dim(route, me, 1, keepdims=False)  # [s, S]
+        dest = assign_slots(flat_ids, local_counts, quotas.slot_expert, routes.sent, partial)
+    my_route = routes.received(gpu)  # [s, S]
     group_sizes = my_route.sum(0)
 
     guest, copies = None, None
     if num_slots > home:
         with jax.named_scope("guest_weights"):
-            guest = fetch_guest_weights(weights, plan.slot_expert[:, home:], placement, me, previous=previous,
-                                        chunks=weight_chunks, gpus_per_node=gpus, backend=backend)
-        copies = GuestCopies(plan.slot_expert[:, home:], join_hidden(guest))
+            guest = fetch_guest_weights(weights, quotas.slot_expert[:, home:], placement, node * gpus + gpu,
+                                        previous=previous, chunks=weight_chunks, gpus_per_node=gpus, backend=backend)
+        copies = GuestCopies(quotas.slot_expert[:, home:], join_hidden(guest))
 
     def experts(rows):
         return expert_ffn(rows, weights, guest, group_sizes, gemm)
 
+    def stats(scaleout):
+        return DispatchStats(counts, quotas, routes.dropped, routes.planned_crossing, scaleout, copies)
+
     if relay:
         with jax.named_scope("relay_dispatch"):
-            y, rows = relay_dispatch(x, gates, dest.reshape(num_tokens, top_k), route, experts, gpus_per_node=gpus,
-                                     relay_rows=relay_rows, recv_rows=recv_rows, backend=backend, axes=axes)
+            y, rows = relay_dispatch(x, gates, dest.reshape(num_tokens, top_k), routes.node_columns, experts,
+                                     gpus_per_node=gpus, relay_rows=relay_rows, recv_rows=recv_rows, backend=backend,
+                                     axes=axes)
         own_node = jnp.arange(num_ranks) // gpus
-        scaleout = jnp.where(own_node[:, None] != jnp.arange(topology.num_nodes)[None, :], rows, 0).sum()
-        return y, DispatchStats(counts, plan, dropped, scaleout, copies)
+        return y, stats(jnp.where(own_node[:, None] != jnp.arange(topology.num_nodes)[None, :], rows, 0).sum())
 
     with jax.named_scope("permute"):
         send_order = stable_order(dest, num_ranks * num_slots + int(partial))
         tokens = x[send_order // top_k]
-        sizes = route.sum(2)  # [s, d]
+        send, recv = routes.sent.sum(1), my_route.sum(1)  # [d], [s]
 
     with jax.named_scope("dispatch"):
         move = dict(gpus_per_node=gpus, backend=backend, axes=axes)
-        received = exchange(tokens, sizes, out_rows=recv_rows, **move)
+        received = exchange_rows(tokens, send, recv, out_rows=recv_rows, **move)
         by_slot = regroup(received, my_route)
     out = experts(by_slot)
 
     with jax.named_scope("combine"):
         back = regroup(out, my_route.T)
-        returned = exchange(back, sizes.T, out_rows=num_pairs, capacity=num_pairs, **move)
+        returned = exchange_rows(back, recv, send, out_rows=num_pairs, capacity=num_pairs, **move)
         per_pair = returned[inverse_permutation(send_order)].reshape(num_tokens, top_k, -1)
         y = jnp.einsum("tkd,tk->td", per_pair, gates.astype(per_pair.dtype))
-    return y, DispatchStats(counts, plan, dropped, inter_node_pairs(Plan(plan.slot_expert, route), gpus), copies)
+    return y, stats(routes.crossing)

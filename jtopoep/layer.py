@@ -24,7 +24,7 @@ from jtopoep.costmodel import ExpertDims
 from jtopoep.dispatch import moe_dispatch, receive_rows
 from jtopoep.guests import ExpertWeights, GuestCopies, kept_slots
 from jtopoep.homes import coactivation
-from jtopoep.metrics import counts_imbalance, imbalance, inter_node_pairs
+from jtopoep.metrics import counts_imbalance, load_imbalance
 from jtopoep.plan import contiguous_placement, plan_fingerprint
 from jtopoep.planners import get_planner
 from jtopoep.router import route
@@ -148,7 +148,7 @@ class MoELayer(nnx.Module):
                                     backend=moe.transport, hierarchical=moe.uses_relays(self.topology),
                                     recv_rows=self.recv_rows(tokens.shape[0]), previous=previous,
                                     weight_chunks=moe.guest_weight_chunks, gemm=moe.gemm)
-            fingerprint = plan_fingerprint(stats.plan)
+            fingerprint = plan_fingerprint(stats.quotas)
             scalars = {
                 "aux_loss": jax.lax.pmean(routed.aux_loss, batch_axes),
                 "z_loss": jax.lax.pmean(routed.z_loss, batch_axes),
@@ -170,13 +170,13 @@ class MoELayer(nnx.Module):
                 scalars["coactivation"] = jax.lax.psum(coactivation(ids, self.planner.num_experts), batch_axes)
             per_device = {
                 "imbalance_before": counts_imbalance(stats.counts, placement),
-                "imbalance_after": imbalance(stats.plan),
-                "inter_node_pairs": inter_node_pairs(stats.plan, self.topology.gpus_per_node),
+                "imbalance_after": load_imbalance(stats.quotas.quota.sum(1)),
+                "inter_node_pairs": stats.planned_crossing,
                 "counts": stats.counts,
                 "dropped_pairs": stats.dropped,
                 "scaleout_rows": stats.scaleout_rows,
             }
-            guests = stats.plan.slot_expert[:, placement.shape[1]:]
+            guests = stats.quotas.slot_expert[:, placement.shape[1]:]
             per_device["guest_copies"] = (guests >= 0).sum(dtype=jnp.int32)
             # Copies held from the previous micro-batch, so not fetched: the weight transfers saved.
             per_device["kept_copies"] = (kept_slots(guests, previous.experts).sum(dtype=jnp.int32) if keep

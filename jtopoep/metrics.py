@@ -17,18 +17,21 @@ from jtopoep.plan import Plan, home_rank_of_experts
 from jtopoep.topology import Topology
 
 
-def imbalance(plan: Plan) -> Float[Array, ""]:
+def load_imbalance(loads: Int[Array, " R"]) -> Float[Array, ""]:
     """max / mean of rank loads (1.0 for an empty micro-batch). Jittable."""
-    loads = plan.route.sum(axis=(0, 2)).astype(jnp.float32)
+    loads = loads.astype(jnp.float32)
     mean = loads.mean()
     return jnp.where(mean > 0, loads.max() / jnp.maximum(mean, 1e-30), 1.0)
+
+
+def imbalance(plan: Plan) -> Float[Array, ""]:
+    """max / mean of the plan's rank loads. Jittable."""
+    return load_imbalance(plan.route.sum(axis=(0, 2)))
 
 
 def counts_imbalance(counts: Int[Array, "R E"], placement: Int[Array, "R H"]) -> Float[Array, ""]:
     """Imbalance of the home placement before any balancing. Jittable."""
-    loads = counts.sum(0)[placement].sum(1).astype(jnp.float32)
-    mean = loads.mean()
-    return jnp.where(mean > 0, loads.max() / jnp.maximum(mean, 1e-30), 1.0)
+    return load_imbalance(counts.sum(0)[placement].sum(1))
 
 
 def inter_node_pairs(plan: Plan, gpus_per_node: int) -> Int[Array, ""]:

@@ -119,11 +119,12 @@ def check_plan(plan: Plan, counts, placement=None) -> None:
                          f"{routed[s, e]}, the counts have {counts[s, e]}")
 
 
-def plan_fingerprint(plan: Plan) -> Int[Array, ""]:
-    """An int32 digest of every entry of the plan (each weighted by a mix of its index, wrapping
-    uint32 arithmetic): equal on every device exactly when their plans are, up to collisions."""
+def plan_fingerprint(plan: tuple) -> Int[Array, ""]:
+    """An int32 digest of every entry of a plan's two int arrays (a Plan, or the slots and quotas a
+    planner decides), each weighted by a mix of its index, wrapping uint32 arithmetic: equal on every
+    device exactly when their plans are, up to collisions."""
     parts = []
-    for offset, array in enumerate((plan.slot_expert, plan.route)):
+    for offset, array in enumerate(plan):
         flat = array.reshape(-1).astype(jnp.uint32) + jnp.uint32(1)
         index = jnp.arange(flat.shape[0], dtype=jnp.uint32) + jnp.uint32(offset << 28)
         mix = (index ^ (index >> 16)) * jnp.uint32(0x45D9F3B)

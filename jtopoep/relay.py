@@ -18,8 +18,9 @@ Stage-1 sizes are not in the plan (they count distinct (token, node) rows): one 
 
 Sums are in float32 in a fixed order (choice by choice), so the result is bitwise deterministic. The
 backward pass is JAX's transpose of the same gathers and exchanges. Buffers: the relay's stage-1 and
-stage-2 buffers hold relay_rows rows each, the destination's recv_rows; `fit_relays` cuts a route so a
-relay never forwards more pairs than relay_rows (a relay then never receives more stage-1 rows). The
+stage-2 buffers hold relay_rows rows each, the destination's recv_rows; `rank_route.cut_relays` cuts a
+route so a relay never forwards more pairs than relay_rows (a relay then never receives more stage-1
+rows). The
 stage-1 buffer needs no more than N x T rows either: a source sends a node each token at most once.
 """
 
@@ -31,25 +32,6 @@ from jaxtyping import Array, Float, Int
 
 from jtopoep.ordering import inverse_permutation, stable_order
 from jtopoep.transport import _stage, exclusive_cumsum, regroup
-
-
-def relay_pairs(route: Int[Array, "R R S"], gpus_per_node: int) -> Int[Array, "N G N G S"]:
-    """route as [relay node n, relay gpu g, source node n', destination gpu g', slot j]: the pairs relay
-    (n, g) forwards from source (n', g) to rank (n, g')."""
-    num_ranks, _, num_slots = route.shape
-    nodes = num_ranks // gpus_per_node
-    grid = route.reshape(nodes, gpus_per_node, nodes, gpus_per_node, num_slots)  # [n', g, n, g', j]
-    return grid.transpose(2, 1, 0, 3, 4)
-
-
-def fit_relays(route: Int[Array, "R R S"], relay_rows: int, gpus_per_node: int) -> Int[Array, "R R S"]:
-    """The route with each relay's pairs cut to relay_rows, in (source node, destination gpu, slot)
-    order: the order in which it forwards them."""
-    num_ranks, _, num_slots = route.shape
-    by_relay = relay_pairs(route, gpus_per_node)
-    flat = by_relay.reshape(num_ranks, -1)
-    kept = jnp.clip(relay_rows - exclusive_cumsum(flat, axis=1), 0, flat)
-    return kept.reshape(by_relay.shape).transpose(2, 1, 0, 3, 4).reshape(num_ranks, num_ranks, num_slots)
 
 
 def relay_worst_rows(num_nodes: int, pairs_per_rank: int) -> int:
@@ -66,24 +48,22 @@ def _first_of_node(dest_node: Int[Array, "T k"], num_nodes: int) -> Array:
 
 
 def relay_dispatch(x: Float[Array, "T D"], gates: Float[Array, "T k"], dest: Int[Array, "T k"],
-                   route: Int[Array, "R R S"], expert_fn, *, gpus_per_node: int, relay_rows: int, recv_rows: int,
+                   node_route: Int[Array, "R G S"], expert_fn, *, gpus_per_node: int, relay_rows: int, recv_rows: int,
                    backend: str, axes: tuple[str, str] = ("node", "gpu")
                    ) -> tuple[Float[Array, "T D"], Int[Array, "R N"]]:
     """The gate-weighted sum over each token's pairs of its experts' outputs, moved as described above,
     and the stage-1 sizes: distinct (token, node) rows from every source to every node.
 
-    dest: each pair's flat destination slot d * S + j (R * S: sent nowhere, it adds nothing); route:
-    the plan's route after every cut (it must agree with dest). expert_fn maps this rank's received
-    rows [recv_rows, D], grouped by slot (route[:, me] summed over sources for each slot, slots in
-    order), to their outputs."""
+    dest: each pair's flat destination slot d * S + j (R * S: sent nowhere, it adds nothing);
+    node_route: route[s, (node, g'), j] after every cut for this rank's node (rank_route; it must
+    agree with dest). expert_fn maps this rank's received rows [recv_rows, D], grouped by slot
+    (route[:, me] summed over sources for each slot, slots in order), to their outputs."""
     node_axis, gpu_axis = axes
     num_tokens, top_k = dest.shape
-    num_ranks, _, num_slots = route.shape
-    gpus = gpus_per_node
+    num_ranks, gpus, num_slots = node_route.shape
     nodes = num_ranks // gpus
     node = jax.lax.axis_index(node_axis)
     gpu = jax.lax.axis_index(gpu_axis)
-    me = node * gpus + gpu
     dtype = x.dtype
 
     # Stage 1 at the source: the rows (n, t) for each node n a token reaches, node by node.
@@ -118,16 +98,17 @@ def relay_dispatch(x: Float[Array, "T D"], gates: Float[Array, "T k"], dest: Int
     num_keys = gpus * nodes * num_slots
     key = jnp.where(live, (dest_gpu * nodes + from_node[:, None]) * num_slots + slot, num_keys).reshape(-1)
     full_order = stable_order(key, num_keys + 1)
-    order = full_order[:relay_rows]  # live pairs first, and at most relay_rows of them (fit_relays)
+    order = full_order[:relay_rows]  # live pairs first, and at most relay_rows of them (cut_relays)
     forward = arrived[order // top_k, :-top_k]
-    within = relay_pairs(route, gpus)[node].sum(-1)  # [g0, n', g']: pairs relay (node, g0) forwards
+    # [g0, n', g']: pairs relay (node, g0) forwards from source (n', g0) to rank (node, g')
+    within = node_route.reshape(nodes, gpus, gpus, num_slots).sum(-1).transpose(1, 0, 2)
     to_gpus = within.sum(1)  # [g0, g']
     second_capacity = min(relay_rows, recv_rows)
     stage2 = dict(me=gpu, axis_name=gpu_axis, backend=backend, capacity=second_capacity)
     received = _stage(forward, to_gpus, out_rows=recv_rows, **stage2)
     # Rows arrive by relay g0, then source node n'; the flat order is by source s = n' * G + g0.
     from_relays = within[:, :, gpu]  # [g0, n']
-    my_route = jax.lax.dynamic_index_in_dim(route, me, 1, keepdims=False)  # [s, S]
+    my_route = jax.lax.dynamic_index_in_dim(node_route, gpu, 1, keepdims=False)  # [s, S]
     by_slot = regroup(regroup(received, from_relays), my_route)
 
     out = expert_fn(by_slot)

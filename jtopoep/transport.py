@@ -95,6 +95,19 @@ def _stage(x, sizes: Int[Array, "P P"], me, axis_name, out_rows: int, backend: s
                        capacity)
 
 
+def exchange_rows(x: Shaped[Array, "rows *feat"], send: Int[Array, " R"], recv: Int[Array, " R"], *, out_rows: int,
+                  gpus_per_node: int, backend: str = "auto", capacity: int | None = None,
+                  axes: tuple[str, str] = ("node", "gpu")) -> Shaped[Array, "out *feat"]:
+    """`exchange` from this rank's own sizes only: send[d] rows to each destination d, recv[s] rows
+    from each source s (so no rank needs the [R, R] whole). Where its rows land on each destination
+    comes from that destination, by one all-to-all of R offsets."""
+    backend = resolve_backend(backend)
+    capacity = x.shape[0] if capacity is None else capacity
+    landing = jax.lax.all_to_all(exclusive_cumsum(recv).reshape(-1, 1), axes, 0, 0, tiled=False)[:, 0]
+    output = jnp.zeros((out_rows,) + x.shape[1:], x.dtype)
+    return _all_to_all(backend, x, output, exclusive_cumsum(send), send, landing, recv, axes, capacity)
+
+
 def regroup(x: Shaped[Array, "rows *feat"], sizes: Int[Array, "P Q"]) -> Shaped[Array, "rows *feat"]:
     """Reorder segments laid out in (p, q) order, segment (p, q) holding sizes[p, q] rows, into (q, p)
     order. Rows past the segments come out as zeros. A gather: its transpose is the inverse regroup."""

@@ -14,6 +14,7 @@ from jtopoep.gemm import grouped_matmul
 from jtopoep.guests import GuestCopies, hidden_slice
 from jtopoep.plan import check_plan, contiguous_placement
 from jtopoep.planners import get_planner
+from jtopoep.planners.routing import plan_from_quotas
 from jtopoep.topology import Topology, make_mesh
 from jtopoep.transport import exchange, regroup
 
@@ -57,7 +58,7 @@ def layer(preset, planner_name, hierarchical, recv_rows=None, guest_slots=2):
     def body(x, ids, gates, wg, wu, wd):
         y, stats = moe_dispatch(x, ids, gates, ExpertWeights(wg, wu, wd), placement, planner, backend="dense",
                                 hierarchical=hierarchical, recv_rows=recv_rows)
-        return y, jax.tree.map(lambda a: a[None], (stats.plan, stats.dropped, stats.scaleout_rows))
+        return y, jax.tree.map(lambda a: a[None], (stats.quotas, stats.dropped, stats.scaleout_rows))
 
     fn = jax.shard_map(body, mesh=make_mesh(topo), in_specs=(SPEC,) * 6, out_specs=(SPEC, SPEC))
 
@@ -66,6 +67,13 @@ def layer(preset, planner_name, hierarchical, recv_rows=None, guest_slots=2):
         return (jnp.sin(y) * y).sum()
 
     return jax.jit(fn), jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def dense_plan(preset, planner_name, quotas, counts):
+    """The whole plan of the slots and quotas the layer's first rank reported."""
+    first = jax.tree.map(lambda a: np.asarray(a)[0], quotas)
+    tiered = get_planner(planner_name, topology=Topology.preset(preset), num_experts=E, guest_slots=2).tiered
+    return plan_from_quotas(counts, first.slot_expert, first.quota, Topology.preset(preset).gpus_per_node, tiered, np)
 
 
 def ref_loss(x, gates, w, ids):
@@ -87,16 +95,16 @@ CASES += [("cpu-1x8", "topoep", False, 2 * T * K_TOP), ("cpu-4x2", "topoep", Tru
 def test_layer_matches_dense_loop(devices, preset, planner_name, hierarchical, recv_rows):
     x, ids, gates, w = make_inputs()
     forward, grads = layer(preset, planner_name, hierarchical, recv_rows)
-    y, (plans, dropped, _) = forward(x, ids, gates, *w)
+    y, (quotas, dropped, _) = forward(x, ids, gates, *w)
     assert (np.asarray(dropped) == 0).all()
     np.testing.assert_allclose(np.asarray(y), np.asarray(reference(x, ids, gates, w)), atol=ATOL, rtol=0)
-    plan = jax.tree.map(lambda a: np.asarray(a)[0], plans)
-    if recv_rows is not None:
-        assert plan.route.sum((0, 2)).max() <= recv_rows
     counts = np.zeros((R, E), np.int32)
     for t in range(R * T):
         for e in ids[t]:
             counts[t // T, e] += 1
+    plan = dense_plan(preset, planner_name, quotas, counts)
+    if recv_rows is not None:
+        assert plan.route.sum((0, 2)).max() <= recv_rows
     check_plan(plan, counts)
     if planner_name != "none":
         assert (plan.slot_expert[:, E // R:] >= 0).any(), "the load should make the planner use guest slots"
@@ -120,7 +128,7 @@ def test_each_rank_processes_its_plan_load(devices):
         local_counts = jnp.zeros(E, jnp.int32).at[flat].add(1)
         plan = planner(jax.lax.all_gather(local_counts, ("node", "gpu")), placement)
         me = jax.lax.axis_index("node") * 4 + jax.lax.axis_index("gpu")
-        dest = assign_slots(flat, local_counts, plan, me)
+        dest = assign_slots(flat, local_counts, plan.slot_expert, plan.route[me])
         order = jnp.argsort(dest, stable=True)
         received = exchange(flat[order] + 1, plan.route.sum(2), out_rows=R * flat.shape[0], gpus_per_node=4,
                             backend="dense")
@@ -200,9 +208,12 @@ def test_receive_buffer_too_small_cuts_the_last_pairs_and_counts_them(devices, p
     recv_rows = T * K_TOP  # a rank's own pairs; the hot experts' homes get more
     x, ids, gates, w = make_inputs()
     forward, _ = layer(preset, "none", hierarchical, recv_rows)
-    y, (plans, dropped, _) = forward(x, ids, gates, *w)
-    route = np.asarray(plans.route)[0]  # [s, d, S]
-    slot_expert = np.asarray(plans.slot_expert)[0]
+    y, (quotas, dropped, _) = forward(x, ids, gates, *w)
+    counts = np.zeros((R, E), np.int32)
+    np.add.at(counts, (np.arange(R * T)[:, None] // T, ids), 1)
+    plan = dense_plan(preset, "none", quotas, counts)
+    route = np.asarray(plan.route)  # [s, d, S]
+    slot_expert = np.asarray(plan.slot_expert)
     num_slots = slot_expert.shape[1]
     # What each destination keeps, in (source, slot) order.
     kept = np.zeros_like(route)
@@ -429,7 +440,7 @@ def test_layer_with_scattered_homes_matches_dense_loop(devices):
     def body(x, ids, gates, wg, wu, wd):
         y, stats = moe_dispatch(x, ids, gates, ExpertWeights(wg, wu, wd), jnp.asarray(placement), planner,
                                 backend="dense", hierarchical=True)
-        return y, stats.plan.slot_expert[None]
+        return y, stats.quotas.slot_expert[None]
 
     fn = jax.shard_map(body, mesh=make_mesh(topo), in_specs=(SPEC,) * 6, out_specs=(SPEC, SPEC))
 

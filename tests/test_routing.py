@@ -98,6 +98,68 @@ def test_plan_from_quotas_matches_loop_reference(tiered):
         np.testing.assert_array_equal(np.asarray(on_device.route).sum(0), np.where(slot_expert >= 0, quota, 0))
 
 
+def loop_cuts(route, recv_rows, relay_rows, gpus):
+    """What survives when each destination keeps its first recv_rows pairs in (source, slot) order,
+    then each relay (n, g) its first relay_rows in (source node, destination gpu, slot) order."""
+    kept = route.copy()
+    for d in range(RANKS):
+        room = recv_rows
+        for s in range(RANKS):
+            for j in range(route.shape[2]):
+                kept[s, d, j] = min(kept[s, d, j], room)
+                room -= kept[s, d, j]
+    for n in range(RANKS // gpus):
+        for g in range(gpus):
+            room = relay_rows
+            for s in range(g, RANKS, gpus):
+                for d in range(n * gpus, (n + 1) * gpus):
+                    for j in range(route.shape[2]):
+                        kept[s, d, j] = min(kept[s, d, j], room)
+                        room -= kept[s, d, j]
+    return kept
+
+
+@pytest.mark.parametrize("tiered", [True, False])
+def test_each_rank_derives_its_row_and_its_nodes_columns_of_the_route(devices, tiered):
+    """rank_route inside shard_map, on 2 nodes x 4 GPUs: each rank's row and its node's columns equal
+    the whole route's (plan_from_quotas), uncut and cut to receive buffers and relays as the loop
+    cuts them, and every rank reports the same dropped and crossing totals."""
+    from jax.sharding import PartitionSpec as P
+
+    from jtopoep.planners.routing import SlotQuotas
+    from jtopoep.rank_route import rank_route
+    from jtopoep.topology import Topology, make_mesh
+
+    mesh = make_mesh(Topology.preset("cpu-2x4"))
+    node_of = np.arange(RANKS) // GPUS
+    for seed in range(4):
+        counts, slot_expert, quota, _ = random_layout(seed)
+        route = np.asarray(plan_from_quotas(counts, slot_expert, quota, GPUS, tiered, np).route)
+        busiest = int(route.sum((0, 2)).max())
+        for recv_rows, relay_rows in ((None, None), (busiest - 7, None), (busiest - 3, busiest // 2)):
+            def body(c, se, q, recv_rows=recv_rows, relay_rows=relay_rows):
+                node, gpu = jax.lax.axis_index("node"), jax.lax.axis_index("gpu")
+                got = rank_route(c, SlotQuotas(se, q), tiered, node, gpu, GPUS, recv_rows=recv_rows,
+                                 relay_rows=relay_rows)
+                return jax.tree.map(lambda a: a[None], (got.sent, got.received(gpu), got.node_columns, got.dropped,
+                                                        got.crossing, got.planned_crossing))
+
+            spec = P(("node", "gpu"))
+            fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 3, out_specs=(spec,) * 6))
+            sent, received, columns, dropped, crossing, planned = (np.asarray(a) for a in fn(counts, slot_expert, quota))
+            kept = loop_cuts(route, recv_rows or 10**9, relay_rows or 10**9, GPUS)
+            across = node_of[:, None] != node_of[None, :]
+            for r in range(RANKS):
+                np.testing.assert_array_equal(sent[r], kept[r], err_msg=f"seed {seed}, row {r}")
+                np.testing.assert_array_equal(received[r], kept[:, r], err_msg=f"seed {seed}, column {r}")
+                n = node_of[r]
+                np.testing.assert_array_equal(columns[r], kept[:, n * GPUS:(n + 1) * GPUS])
+            np.testing.assert_array_equal(dropped, route.sum() - kept.sum())
+            np.testing.assert_array_equal(crossing, kept.sum(2)[across].sum())
+            np.testing.assert_array_equal(planned, route.sum(2)[across].sum())
+        assert recv_rows is not None and route.sum() > kept.sum(), "the cut cases must drop pairs"
+
+
 def test_tiered_routing_feeds_copies_from_their_own_node_first():
     """Nodes of two ranks. Expert 0 (home rank 0, keeping nothing) has copies on ranks 2 and 6
     taking 10 pairs each; ranks 0 and 3 send 10 each. In rank order rank 0 fills rank 2's copy and

@@ -7,22 +7,26 @@ knobs: `jtopoep.config` takes their names, defaults and comments from here.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax.numpy as jnp
 from jax.typing import ArrayLike
-from jaxtyping import Int
+from jaxtyping import Array, Int
 
 from jtopoep.costmodel import ExpertDims
-from jtopoep.plan import Plan, home_plan
+from jtopoep.plan import Plan
 from jtopoep.planners.problem import CopyProblem, Pricing
 from jtopoep.planners.rounds import Copies
-from jtopoep.planners.routing import plan_from_quotas
+from jtopoep.planners.routing import SlotQuotas, plan_from_quotas
 from jtopoep.topology import Topology
 
 
 @dataclasses.dataclass(frozen=True)
 class PlannerBase:
-    """Settings every planner shares. Subclasses implement `_plan(counts, placement, held)`."""
+    """Settings every planner shares. Subclasses implement `_quotas(counts, placement, held)`."""
+
+    # Sources feed the slots on their own node first (routing.route_lines); False: in rank order.
+    tiered: ClassVar[bool] = True
 
     topology: Topology
     num_experts: int
@@ -65,11 +69,20 @@ class PlannerBase:
 
     def __call__(self, counts: Int[ArrayLike, "R E"], placement: Int[ArrayLike, "R H"] | None = None,
                  held: Int[ArrayLike, "R K"] | None = None) -> Plan:
-        """The plan for counts [R, E] with home experts placement [R, H] (default contiguous).
+        """The plan for counts [R, E] with home experts placement [R, H] (default contiguous), with
+        its whole [R, R, S] route: for analysis. The layer calls `quotas` and derives only its own
+        part of the route.
 
         held: [R, K] the guest experts each rank holds from the previous micro-batch of the same
         optimizer step (-1 empty; moe.keep_copies): a copy of one of those ships only its gradients,
         which the pricing counts."""
+        slot_expert, quota = self.quotas(counts, placement, held)
+        return plan_from_quotas(jnp.asarray(counts, jnp.int32), slot_expert, quota, self.gpus_per_node, self.tiered)
+
+    def quotas(self, counts: Int[ArrayLike, "R E"], placement: Int[ArrayLike, "R H"] | None = None,
+               held: Int[ArrayLike, "R K"] | None = None) -> SlotQuotas:
+        """What the planner decides for counts [R, E]: the expert in each slot and the pairs each
+        slot takes (arguments as for calling the planner)."""
         num_ranks, num_experts = counts.shape
         if (num_ranks, num_experts) != (self.num_ranks, self.num_experts):
             raise ValueError(f"counts has shape {counts.shape}; this planner expects "
@@ -81,11 +94,19 @@ class PlannerBase:
             placement = jnp.arange(num_experts, dtype=jnp.int32).reshape(num_ranks, self.home_slots)
         counts, placement = jnp.asarray(counts, jnp.int32), jnp.asarray(placement, jnp.int32)
         if self.guest_slots == 0:  # no slot to copy into: every planner reduces to the home plan
-            return home_plan(counts, placement, 0)
-        return self._plan(counts, placement, None if held is None else jnp.asarray(held, jnp.int32))
+            return home_quotas(counts, placement, 0)
+        return self._quotas(counts, placement, None if held is None else jnp.asarray(held, jnp.int32))
 
-    def _plan(self, counts, placement, held) -> Plan:
+    def _quotas(self, counts, placement, held) -> SlotQuotas:
         raise NotImplementedError
+
+
+def home_quotas(counts: Int[Array, "R E"], placement: Int[Array, "R H"], guest_slots: int) -> SlotQuotas:
+    """Every pair goes to its expert's home slot; guest slots stay empty."""
+    loads = counts.sum(0, dtype=jnp.int32)
+    pad = ((0, 0), (0, guest_slots))
+    return SlotQuotas(jnp.pad(placement.astype(jnp.int32), pad, constant_values=-1),
+                      jnp.pad(loads[placement], pad))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,16 +115,14 @@ class CopyingPlanner(PlannerBase):
     (`_place`), and every home slot keeps what its copies do not take; tokens follow the
     locality-tiered routing."""
 
-    def _plan(self, counts, placement, held) -> Plan:
+    def _quotas(self, counts, placement, held) -> SlotQuotas:
         problem = CopyProblem.build(counts, placement, self.gpus_per_node)
         copies = self._place(problem, placement, Copies.start(problem, self.guest_slots, self.gpus_per_node), held)
-        slot_expert = jnp.concatenate([placement, copies.guests], axis=1)
-        quota = jnp.concatenate([copies.kept[placement], copies.quotas], axis=1)
-        return plan_from_quotas(counts, slot_expert, quota,
-                                self.gpus_per_node, True)
+        return SlotQuotas(jnp.concatenate([placement, copies.guests], axis=1),
+                          jnp.concatenate([copies.kept[placement], copies.quotas], axis=1))
 
     def _place(self, problem: CopyProblem, placement, copies: Copies, held) -> Copies:
         raise NotImplementedError
 
 
-__all__ = ["CopyingPlanner", "PlannerBase"]
+__all__ = ["CopyingPlanner", "PlannerBase", "home_quotas"]

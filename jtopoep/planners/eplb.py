@@ -14,6 +14,7 @@ once against an array namespace and agree bit for bit.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ from jtopoep.ordering import first_argmax, first_argmin
 from jtopoep.plan import Plan, home_rank_of_experts
 from jtopoep.planners.arrays import carry_like, holds_home, one_hot, prefix_sum
 from jtopoep.planners.base import PlannerBase
-from jtopoep.planners.routing import plan_from_quotas
+from jtopoep.planners.routing import SlotQuotas, plan_from_quotas
 
 
 def repeat(body, times: int, carry, xp):
@@ -91,15 +92,16 @@ def eplb_slots(counts, placement, guest_slots: int, min_pairs: float, xp):
 
 @dataclasses.dataclass(frozen=True)
 class EplbPlanner(PlannerBase):
+    tiered: ClassVar[bool] = False  # topology-oblivious: sources and slots in rank order
+
     @property
     def least_pairs(self) -> float:
         """Fewest pairs a replica must get: min_gain's share of an NVLink copy's break-even."""
         return 0.0 if self.min_gain == 0 else self.min_gain * copy_break_even_pairs(self.topology, self.dims)[0]
 
-    def _plan(self, counts, placement, held) -> Plan:
+    def _quotas(self, counts, placement, held) -> SlotQuotas:
         del held  # copies are placed without regard to what ranks hold already
-        slot_expert, quota = eplb_slots(counts, placement, self.guest_slots, self.least_pairs, jnp)
-        return plan_from_quotas(counts, slot_expert, quota, self.topology.gpus_per_node, False, jnp)
+        return SlotQuotas(*eplb_slots(counts, placement, self.guest_slots, self.least_pairs, jnp))
 
 
 def eplb_host(planner: EplbPlanner, counts, placement=None) -> Plan:

@@ -12,7 +12,7 @@ from jtopoep.config import MoEConfig
 from jtopoep.layer import MoELayer
 from jtopoep.plan import check_plan
 from jtopoep.topology import Topology, make_mesh
-from test_dispatch import ATOL, E, K_TOP, R, T, layer, make_inputs, ref_loss, reference
+from test_dispatch import ATOL, E, K_TOP, R, T, dense_plan, layer, make_inputs, ref_loss, reference
 
 
 def routing(case: str, rng) -> np.ndarray:
@@ -47,11 +47,12 @@ def test_pathological_routing_is_exact_for_every_planner(devices, planner, slots
     forward, grads = layer("cpu-2x4", planner, True, None, slots)
     for case in CASES:
         ids = routing(case, np.random.default_rng(0)).astype(np.int32)
-        y, (plans, dropped, _) = forward(x, ids, gates, *w)
+        y, (quotas, dropped, _) = forward(x, ids, gates, *w)
         assert (np.asarray(dropped) == 0).all(), case
         np.testing.assert_allclose(np.asarray(y), np.asarray(reference(x, ids, gates, w)), atol=ATOL, rtol=0,
                                    err_msg=case)
-        check_plan(jax.tree.map(lambda a: np.asarray(a)[0], plans), pair_counts(ids))
+        counts = pair_counts(ids)
+        check_plan(dense_plan("cpu-2x4", planner, quotas, counts), counts)
         _, grad = grads(x, gates, w, ids)
         want = jax.grad(ref_loss, argnums=(0, 1, 2))(x, gates, w, ids)
         for got, exp in zip(jax.tree.leaves(grad), jax.tree.leaves(want)):
