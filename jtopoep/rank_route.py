@@ -60,17 +60,15 @@ def rank_route(counts: Int[Array, "R E"], quotas: SlotQuotas, tiered: bool, node
     per destination and then to relay_rows per relay (None: no cut). Call inside shard_map."""
     num_ranks, num_slots = quotas.slot_expert.shape
     gpus = gpus_per_node
-    lines = route_lines(counts, quotas.slot_expert, quotas.quota, gpus, tiered)
-    sources = jnp.arange(num_ranks, dtype=jnp.int32)
-    planned = _node_columns(lines, node, gpus, num_slots)
+    row, planned = planned_route(counts, quotas, tiered, node, gpu, gpus)
     columns = planned
     if recv_rows is not None:
         columns = cut_columns(columns, recv_rows)
     if relay_rows is not None:
         columns = cut_relays(columns, relay_rows)
-    remote = (sources // gpus != node)[:, None, None]
+    remote = (jnp.arange(num_ranks) // gpus != node)[:, None, None]
     if recv_rows is None and relay_rows is None:
-        sent = _row(lines, node, gpu, gpus, num_slots)
+        sent = row
     else:
         # Rank (n, gpu) holds node n's cut columns; the sources of this GPU index, (n', gpu), take
         # their rows of them: [N, G, S] for each n', one all-to-all over the nodes.
@@ -87,8 +85,8 @@ def rank_route(counts: Int[Array, "R E"], quotas: SlotQuotas, tiered: bool, node
 
 def planned_route(counts: Int[Array, "R E"], quotas: SlotQuotas, tiered: bool, node, gpu, gpus_per_node: int
                   ) -> tuple[Int[Array, "R S"], Int[Array, "R G S"]]:
-    """This rank's row and its node's columns of the route before any cut: what rank_route derives
-    from the plan, without its collectives (a planner's cost in the layer is its quotas and this)."""
+    """This rank's row and its node's columns of the route before any cut: what rank_route starts
+    from, with no collective (a planner's cost in the layer is its quotas and this)."""
     num_slots = quotas.slot_expert.shape[1]
     lines = route_lines(counts, quotas.slot_expert, quotas.quota, gpus_per_node, tiered)
     return (_row(lines, node, gpu, gpus_per_node, num_slots),

@@ -17,6 +17,7 @@ from jtopoep.planners import get_planner
 from jtopoep.planners.routing import plan_from_quotas
 from jtopoep.topology import Topology, make_mesh
 from jtopoep.transport import exchange, regroup
+from test_routing import loop_cuts
 
 R, E, T, K_TOP, D, F = 8, 16, 5, 2, 6, 7  # sizes that do not divide evenly
 SPEC = P(("node", "gpu"))
@@ -215,24 +216,9 @@ def test_receive_buffer_too_small_cuts_the_last_pairs_and_counts_them(devices, p
     route = np.asarray(plan.route)  # [s, d, S]
     slot_expert = np.asarray(plan.slot_expert)
     num_slots = slot_expert.shape[1]
-    # What each destination keeps, in (source, slot) order.
-    kept = np.zeros_like(route)
-    for d in range(R):
-        room = recv_rows
-        for s in range(R):
-            for j in range(num_slots):
-                kept[s, d, j] = min(route[s, d, j], room)
-                room -= kept[s, d, j]
-    if hierarchical:  # then what each relay (n, g) forwards from sources (n', g) to ranks (n, g')
-        gpus = Topology.preset(preset).gpus_per_node
-        for n in range(R // gpus):
-            for g in range(gpus):
-                room = recv_rows
-                for s in range(g, R, gpus):
-                    for d in range(n * gpus, (n + 1) * gpus):
-                        for j in range(num_slots):
-                            kept[s, d, j] = min(kept[s, d, j], room)
-                            room -= kept[s, d, j]
+    # What each destination keeps, in (source, slot) order; with relays, then what each relay (n, g)
+    # forwards from sources (n', g) to ranks (n, g').
+    kept = loop_cuts(route, recv_rows, recv_rows if hierarchical else None, Topology.preset(preset).gpus_per_node)
     expected_dropped = route.sum() - kept.sum()
     assert expected_dropped > 0, "the test load must overflow some receive buffer"
     np.testing.assert_array_equal(np.asarray(dropped), expected_dropped)

@@ -100,18 +100,22 @@ def test_plan_from_quotas_matches_loop_reference(tiered):
 
 def loop_cuts(route, recv_rows, relay_rows, gpus):
     """What survives when each destination keeps its first recv_rows pairs in (source, slot) order,
-    then each relay (n, g) its first relay_rows in (source node, destination gpu, slot) order."""
+    then each relay (n, g) its first relay_rows in (source node, destination gpu, slot) order (None:
+    no relay cut)."""
     kept = route.copy()
-    for d in range(RANKS):
+    num_ranks = route.shape[0]
+    for d in range(num_ranks):
         room = recv_rows
-        for s in range(RANKS):
+        for s in range(num_ranks):
             for j in range(route.shape[2]):
                 kept[s, d, j] = min(kept[s, d, j], room)
                 room -= kept[s, d, j]
-    for n in range(RANKS // gpus):
+    if relay_rows is None:
+        return kept
+    for n in range(num_ranks // gpus):
         for g in range(gpus):
             room = relay_rows
-            for s in range(g, RANKS, gpus):
+            for s in range(g, num_ranks, gpus):
                 for d in range(n * gpus, (n + 1) * gpus):
                     for j in range(route.shape[2]):
                         kept[s, d, j] = min(kept[s, d, j], room)
@@ -147,7 +151,7 @@ def test_each_rank_derives_its_row_and_its_nodes_columns_of_the_route(devices, t
             spec = P(("node", "gpu"))
             fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(),) * 3, out_specs=(spec,) * 6))
             sent, received, columns, dropped, crossing, planned = (np.asarray(a) for a in fn(counts, slot_expert, quota))
-            kept = loop_cuts(route, recv_rows or 10**9, relay_rows or 10**9, GPUS)
+            kept = loop_cuts(route, recv_rows or 10**9, relay_rows, GPUS)
             across = node_of[:, None] != node_of[None, :]
             for r in range(RANKS):
                 np.testing.assert_array_equal(sent[r], kept[r], err_msg=f"seed {seed}, row {r}")

@@ -6,9 +6,9 @@ their intervals: every slot takes exactly its quota and every pair lands. With l
 node first keeps what it can of an expert's pairs on its own slots of that expert (min of its
 sources' pairs and its slots' quotas), laid out the same way within the node; the rest crosses.
 
-`route_lines` builds the lines once: node-level [N, E] tables, the sources' [R, E] intervals and
-the slots' [R x S] intervals, with no loop, search or sort. Any block of the route (some sources
-against some slots) is then one elementwise pass (`route_block`): a rank in the layer derives only
+`route_lines` builds the lines once: node-level [N, E] tables and the slots' [R x S] intervals, with
+no loop, search or sort. Any block of the route (some nodes' sources against some slots) is then one
+pass over the counts it gathers (`route_block`): a rank in the layer derives only
 its own row and its node's columns, O(R x S) each, never the [R, R, S] whole. `plan_from_quotas`
 writes the whole route, for analysis and tests: one fused pass over its [R, R x S] entries for what
 crosses and one over the [G, G x S] blocks on its diagonal for what stays in a node.
