@@ -284,36 +284,41 @@ def test_the_transfers_paying_pieces_gives_are_those_of_the_copies_it_makes():
 
 
 def test_match_lays_sorted_items_against_sorted_bins():
-    """rounds.match against its definition: per segment, items and bins largest first (ties to the
-    lower index) laid end to end; each bin gets the first `width` items its interval overlaps."""
+    """rounds.match against its definition: per row, the row's items and bins largest first (ties to
+    the lower id, bins to the lower column) laid end to end; each bin gets the first `width` items
+    its interval overlaps."""
     from jtopoep.planners.rounds import match
 
     rng = np.random.default_rng(0)
-    jitted_match = jax.jit(match, static_argnums=(4, 5))
-    for trial in range(30):
-        items, bins, segments, width = rng.integers(1, 12), rng.integers(1, 8), rng.integers(1, 4), rng.integers(1, 4)
-        item_size = rng.integers(0, 20, items) * (rng.random(items) < 0.8)
-        bin_size = rng.integers(0, 20, bins) * (rng.random(bins) < 0.8)
-        item_seg, bin_seg = rng.integers(0, segments, items), rng.integers(0, segments, bins)
+    jitted_match = jax.jit(match, static_argnums=(3,))
+    for trial in range(40):
+        num_rows, per_row, bins, width = (int(x) for x in (rng.integers(1, 4), rng.integers(1, 6), rng.integers(1, 6),
+                                                           rng.integers(1, 4)))
+        ids = num_rows * per_row
+        size = rng.integers(0, 20, ids) * (rng.random(ids) < 0.8)
+        if trial % 3 == 0 and ids > 1:  # two sizes past ordering's key range (2**31 // ids): they tie, by id
+            size[rng.choice(ids, 2, replace=False)] = (10 ** 9, 10 ** 9 + 7)
+        tied = np.minimum(size, 2 ** 31 // ids - 1)
+        rows = rng.permutation(ids).reshape(num_rows, per_row)
+        bin_size = rng.integers(0, 20, (num_rows, bins)) * (rng.random((num_rows, bins)) < 0.8)
         got_item, got_amount = (np.asarray(x) for x in jitted_match(
-            jnp.asarray(item_size, jnp.int32), jnp.asarray(item_seg, jnp.int32), jnp.asarray(bin_size, jnp.int32),
-            jnp.asarray(bin_seg, jnp.int32), int(segments), int(width)))
-        for b in range(bins):
-            want = []
-            if bin_size[b]:
-                mine = sorted((i for i in range(items) if item_seg[i] == bin_seg[b] and item_size[i]),
-                              key=lambda i: (-item_size[i], i))
-                others = sorted((c for c in range(bins) if bin_seg[c] == bin_seg[b] and bin_size[c]),
-                                key=lambda c: (-bin_size[c], c))
-                lo = sum(bin_size[c] for c in others[:others.index(b)])
-                hi, start = lo + bin_size[b], 0
-                for i in mine:
-                    cut = min(hi, start + item_size[i]) - max(lo, start)
-                    if cut > 0:
-                        want.append((i, cut))
-                    start += item_size[i]
-            got = [(int(i), int(a)) for i, a in zip(got_item[b], got_amount[b]) if a > 0]
-            assert got == want[:width], (trial, b)
+            jnp.asarray(size, jnp.int32), jnp.asarray(rows, jnp.int32), jnp.asarray(bin_size, jnp.int32), width))
+        assert got_item.shape == got_amount.shape == (num_rows, bins, width)
+        for r in range(num_rows):
+            mine = sorted((i for i in rows[r] if size[i]), key=lambda i: (-tied[i], i))
+            others = sorted((c for c in range(bins) if bin_size[r, c]), key=lambda c: (-bin_size[r, c], c))
+            for b in range(bins):
+                want = []
+                if bin_size[r, b]:
+                    lo = sum(bin_size[r, c] for c in others[:others.index(b)])
+                    hi, start = lo + bin_size[r, b], 0
+                    for i in mine:
+                        cut = min(hi, start + size[i]) - max(lo, start)
+                        if cut > 0:
+                            want.append((int(i), int(cut)))
+                        start += size[i]
+                got = [(int(i), int(a)) for i, a in zip(got_item[r, b], got_amount[r, b]) if a > 0]
+                assert got == want[:width], (trial, r, b)
 
 
 @pytest.mark.parametrize("name", ["topoep", "taot"])

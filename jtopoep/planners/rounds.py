@@ -16,46 +16,40 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from jtopoep.ordering import inverse_permutation
+from jtopoep.ordering import descending_key, key_range
 from jtopoep.planners.arrays import (carry_like, exclusive_prefix_sum, order_by, overlap, prefix_sum, scatter_add,
                                      segmented_prefix_sum)
 from jtopoep.planners.problem import CopyProblem, Pricing, Shipped, paying_pieces, ship, spill_per_expert
 
 
-def _line(size, segment, num_segments: int):
-    """(order, segment, upper end of each interval, in that order) for entries laid out by segment,
-    then largest first; entries of size 0 go last. Also each segment's total."""
-    segment = jnp.where(size > 0, segment, num_segments)
-    # With one segment, largest first already puts the empty entries last, in index order.
-    order = order_by(segment, num_segments + 1, size) if num_segments > 1 else order_by(segment * 0, 1, size)
-    totals = scatter_add((num_segments + 1,), (segment,), size)
-    sorted_size = size[order]
-    within = prefix_sum(sorted_size) - exclusive_prefix_sum(totals)[segment[order]]
-    return order, segment[order], within, sorted_size, totals
+def match(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Array, "S B"], width: int
+          ) -> tuple[Int[Array, "S B W"], Int[Array, "S B W"]]:
+    """(item, pairs) of the first `width` items each bin's interval overlaps, and by how much (0
+    where fewer overlap). Items are ids in [0, I) with sizes `size`; row s of `rows` holds the items
+    that meet row s of bins (a node's experts or pieces against its ranks). Within each row, items
+    and bins are laid end to end largest first (ties to the lower id, bins to the lower column).
 
-
-def match(item_size: Int[Array, " I"], item_segment: Int[Array, " I"], bin_size: Int[Array, " B"],
-          bin_segment: Int[Array, " B"], num_segments: int, width: int) -> tuple[Int[Array, "B W"], Int[Array, "B W"]]:
-    """(item index, pairs) of the first `width` items each bin's interval overlaps, and by how much
-    (0 where fewer overlap). Within each segment items and bins are laid out largest first (ties to
-    the lower index); items of one segment only meet bins of the same segment."""
-    num_items = item_size.shape[0]
-    item_order, item_seg, item_within, item_sorted, item_totals = _line(item_size, item_segment, num_segments)
-    bin_order, bin_seg, bin_within, bin_sorted, bin_totals = _line(bin_size, bin_segment, num_segments)
-    origin = exclusive_prefix_sum(jnp.maximum(item_totals, bin_totals))  # each segment's own stretch of line
-    item_hi = origin[item_seg] + item_within
-    bin_hi = origin[bin_seg] + bin_within
-    bin_lo = bin_hi - bin_sorted
-    # Small lines compare every bin with every item in one kernel; long ones sort the two together (an
-    # unrolled binary search fuses into one deep kernel that LLVM took minutes to compile).
-    method = "compare_all" if item_hi.size * bin_lo.size <= 1 << 16 else "sort"
-    first = jnp.searchsorted(item_hi, bin_lo, side="right", method=method)  # [B]
-    index = first[:, None] + jnp.arange(width)[None, :]
-    safe = jnp.minimum(index, num_items - 1)
-    amount = jnp.where(index < num_items, overlap(item_hi[safe] - item_sorted[safe], item_hi[safe],
-                                                  bin_lo[:, None], bin_hi[:, None]), 0)
-    back = inverse_permutation(bin_order)
-    return item_order[safe][back], amount[back]
+    One sort of each row's packed keys, a prefix sum along rows, and comparisons within rows: the
+    bins of a row are few (a node's ranks), so their places come from comparing them all."""
+    num_ids, (num_rows, num_items), num_bins = size.shape[0], rows.shape, bin_size.shape[1]
+    bound = key_range(num_ids)
+    # ordering.stable_order's packing, by id: the same order as argsort of (descending size, id).
+    line = jnp.sort(descending_key(size[rows], bound) * num_ids + rows, axis=1) % num_ids  # [S, n]
+    length = size[line]
+    item_hi = prefix_sum(length, 1)
+    key = descending_key(bin_size, key_range(bin_size.size))
+    column = jnp.arange(num_bins)
+    ahead = (key[:, None, :] < key[:, :, None]) | ((key[:, None, :] == key[:, :, None])
+                                                 & (column[None, None, :] < column[None, :, None]))  # [S, B, B]
+    bin_lo = (ahead * bin_size[:, None, :]).sum(2)
+    bin_hi = bin_lo + bin_size
+    first = (item_hi[:, None, :] <= bin_lo[:, :, None]).sum(2, dtype=jnp.int32)  # items wholly before it
+    index = first[:, :, None] + jnp.arange(width)  # [S, B, W]
+    safe = jnp.minimum(index, num_items - 1).reshape(num_rows, -1)
+    hi = jnp.take_along_axis(item_hi, safe, 1).reshape(index.shape)
+    lo = hi - jnp.take_along_axis(length, safe, 1).reshape(index.shape)
+    amount = jnp.where(index < num_items, overlap(lo, hi, bin_lo[:, :, None], bin_hi[:, :, None]), 0)
+    return jnp.take_along_axis(line, safe, 1).reshape(index.shape), amount
 
 
 class Copies(NamedTuple):
@@ -165,32 +159,29 @@ def within_nodes(copies: Copies, problem: CopyProblem, placement, gpus_per_node:
     room, both largest first."""
     num_ranks, slots = copies.guests.shape
     nodes = num_ranks // gpus_per_node
-    rank_node = jnp.arange(num_ranks, dtype=jnp.int32) // gpus_per_node
     spill, room = copies.spill(problem, placement), copies.open_room(problem, placement)
-    item, amount = match(spill, problem.home_rank // gpus_per_node, room, rank_node, nodes, slots)
-    return item, amount
+    item, amount = match(spill, placement.reshape(nodes, -1), room.reshape(nodes, gpus_per_node), slots)
+    return item.reshape(num_ranks, slots), amount.reshape(num_ranks, slots)
 
 
-def onto_ranks_of_nodes(piece_expert: Int[Array, " P"], piece_node: Int[Array, " P"], piece_amount: Int[Array, " P"],
+def onto_ranks_of_nodes(piece_expert: Int[Array, " P"], piece_amount: Int[Array, " P"], node_pieces: Int[Array, "N n"],
                         room: Int[Array, " R"], gpus_per_node: int, slots: int):
-    """Proposals [R, K] that spread pieces bound for each node (expert, node, pairs) over that
-    node's ranks: the node's pieces against its ranks' room, both largest first."""
+    """Proposals [R, K] that spread pieces (expert, pairs) over the ranks of the node each is bound
+    for (row n of node_pieces: the pieces bound for node n): the node's pieces against its ranks'
+    room, both largest first."""
     num_ranks = room.shape[0]
-    rank_node = jnp.arange(num_ranks, dtype=jnp.int32) // gpus_per_node
-    item, amount = match(piece_amount, piece_node, room, rank_node, num_ranks // gpus_per_node, slots)
-    return piece_expert[item], amount
+    item, amount = match(piece_amount, node_pieces, room.reshape(num_ranks // gpus_per_node, gpus_per_node), slots)
+    return piece_expert[item].reshape(num_ranks, slots), amount.reshape(num_ranks, slots)
 
 
 def onto_nodes(spill: Int[Array, " E"], room: Int[Array, " R"], gpus_per_node: int, slots: int):
-    """Pieces (expert, node, pairs), [N * G * K] each, that send what each expert still spills to
-    nodes with room: both largest first."""
+    """Pieces (expert, pairs), [N * G * K] each, that send what each expert still spills to nodes
+    with room, both largest first, and the pieces bound for each node [N, G * K]."""
     nodes = room.shape[0] // gpus_per_node
     node_room = room.reshape(nodes, gpus_per_node).sum(1)
-    zeros_e, zeros_n = jnp.zeros_like(spill), jnp.zeros(nodes, jnp.int32)
-    item, amount = match(spill, zeros_e, node_room, zeros_n, 1,
-                         gpus_per_node * slots)
-    node = jnp.broadcast_to(jnp.arange(nodes, dtype=jnp.int32)[:, None], item.shape)
-    return item.reshape(-1), node.reshape(-1), amount.reshape(-1)
+    width = gpus_per_node * slots
+    item, amount = match(spill, jnp.arange(spill.shape[0], dtype=jnp.int32)[None, :], node_room[None, :], width)
+    return item.reshape(-1), amount.reshape(-1), jnp.arange(nodes * width, dtype=jnp.int32).reshape(nodes, width)
 
 
 def onto_demand(copies: Copies, problem: CopyProblem, placement, gpus_per_node: int, least, width: int):
@@ -222,9 +213,9 @@ def onto_demand(copies: Copies, problem: CopyProblem, placement, gpus_per_node: 
     # XLA:CPU's top_k is a fast kernel for floats only (an int32 one sorts whole rows).
     _, expert = jax.lax.top_k(piece.astype(jnp.float32), min(gpus_per_node * slots, num_experts))  # [N, G K]
     piece = jnp.take_along_axis(piece, expert, axis=1)
-    node = jnp.broadcast_to(jnp.arange(nodes, dtype=jnp.int32)[:, None], piece.shape)
-    return onto_ranks_of_nodes(expert.reshape(-1), node.reshape(-1), piece.reshape(-1),
-                               copies.open_room(problem, placement), gpus_per_node, width)
+    node_pieces = jnp.arange(piece.size, dtype=jnp.int32).reshape(piece.shape)
+    return onto_ranks_of_nodes(expert.reshape(-1), piece.reshape(-1), node_pieces, copies.open_room(problem, placement),
+                               gpus_per_node, width)
 
 
 __all__ = ["Copies", "match", "onto_demand", "onto_nodes", "onto_ranks_of_nodes", "place", "within_nodes"]

@@ -62,10 +62,11 @@ class TaotPlanner(CopyingPlanner):
             # The entropic plan spreads every node's spill over all nodes with room; flows below an
             # average rank's room there would each spend a slot on a sliver. They are left to the
             # rounds across nodes, which place what the rounding leaves.
-            flow = jnp.where(flow * gpus >= node_room[None, :], flow, 0).reshape(-1)
-            source = jnp.repeat(jnp.arange(nodes, dtype=jnp.int32), nodes)
-            item, amount = match(spill, home_node, flow, source, nodes, gpus * slots)  # [N * N, G * K]
-            dest = jnp.broadcast_to(jnp.tile(jnp.arange(nodes, dtype=jnp.int32), nodes)[:, None], item.shape)
-            proposals = onto_ranks_of_nodes(item.reshape(-1), dest.reshape(-1), amount.reshape(-1), room, gpus, slots)
+            flow = jnp.where(flow * gpus >= node_room[None, :], flow, 0)
+            # Each node's experts against its row of flows: pieces [N (from), N (to), G * K].
+            item, amount = match(spill, placement.reshape(nodes, -1), flow, gpus * slots)
+            node_pieces = jnp.arange(item.size, dtype=jnp.int32).reshape(item.shape).transpose(1, 0, 2)
+            proposals = onto_ranks_of_nodes(item.reshape(-1), amount.reshape(-1), node_pieces.reshape(nodes, -1), room,
+                                            gpus, slots)
             copies = place(copies, *proposals, problem, placement, pricing, held, gpus, overshed=True)
         return across_nodes(copies, problem, placement, pricing, held, gpus, ACROSS_ROUNDS)
