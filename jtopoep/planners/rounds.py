@@ -3,9 +3,10 @@
 One round lays the items (experts, or pieces of experts bound for a node) end to end on a line,
 largest first, and the bins (ranks, or nodes) likewise, and gives each bin the items its interval
 overlaps, by how much they overlap: so each piece either fills a bin or ends an item, and a round
-makes at most (items + bins) pieces. Segments (the nodes, for a round that stays within them) get
-lines of their own, laid one after another. A sort, prefix sums and a binary search per round: no
-loop whose trip count grows with the ranks, the experts or the copies.
+makes at most (items + bins) pieces. Each node gets a line of its own (its experts or the pieces
+bound for it, against its ranks), all nodes at once as rows. A sort along rows, prefix sums and
+comparisons within rows per round: no loop whose trip count grows with the ranks, the experts or
+the copies.
 """
 
 from __future__ import annotations
