@@ -133,9 +133,10 @@ def place(copies: Copies, expert: Int[Array, "R W"], amount: Int[Array, "R W"], 
         last = new & (position == slots - 1) & (left[:, None] > 0)
         kept_after = copies.kept - scatter_add(copies.kept.shape, (jnp.maximum(expert, 0).reshape(-1),),
                                                amount.reshape(-1))
-        extra = jnp.where(last, jnp.minimum(left[:, None], kept_after[jnp.maximum(expert, 0)]), 0).reshape(-1)
-        extra = share_out(expert.reshape(-1), extra, kept_after)
-        amount = amount + extra.reshape(num_ranks, width)
+        extra = jnp.where(last, jnp.minimum(left[:, None], kept_after[jnp.maximum(expert, 0)]), 0)
+        # A rank has one last free slot: share over the R ranks, not the R x W proposals.
+        granted = share_out(jnp.where(last, expert, 0).sum(1), extra.sum(1), kept_after)
+        amount = amount + jnp.where(last, granted[:, None], 0)
     holds = (jnp.zeros((num_ranks, width), bool) if held is None
              else (held[:, None, :] == expert[:, :, None]).any(2))
     dest = jnp.broadcast_to(jnp.arange(num_ranks, dtype=jnp.int32)[:, None], expert.shape)
