@@ -7,6 +7,7 @@ import pytest
 
 from jtopoep.costmodel import exchange_seconds_per_rank
 from jtopoep.plan import Plan, check_plan, home_plan
+from jtopoep.planners.arrays import proportional_floor
 from jtopoep.planners.problem import spill_per_expert
 from jtopoep.planners.routing import plan_from_quotas
 from routing_oracle import best_routing, eplb_plan_on_zipf
@@ -49,8 +50,9 @@ def fill(supply, capacity, route, sources, copies):
 
 def reference_route(counts, slot_expert, quota, tiered):
     """plan_from_quotas by its definition, one expert at a time: with tiers, each node keeps
-    min(its sources' pairs, its slots' quotas), given by its sources and taken by its slots in rank
-    order; then the rest, sources and slots in rank order."""
+    min(its sources' pairs, its slots' quotas), given by its sources in rank order and taken by its
+    slots in proportion to their quotas (rounded down at each slot's end); then the rest, sources and
+    slots in rank order."""
     route = np.zeros((RANKS, RANKS, slot_expert.shape[1]), np.int64)
     node = np.arange(RANKS) // GPUS
     for e in range(EXPERTS):
@@ -68,10 +70,10 @@ def reference_route(counts, slot_expert, quota, tiered):
                 for s in sources:
                     give[s] = min(supply[s], left)
                     left -= give[s]
-                left = kept
-                for c in mine:
-                    take[c] = min(capacity[c], left)
-                    left -= take[c]
+                room, before = sum(capacity[c] for c in mine), 0
+                for c in mine:  # the slots' shares of what the node keeps, in proportion to quota
+                    take[c] = (kept * (before + capacity[c])) // room - (kept * before) // room
+                    before += capacity[c]
                 fill(give, take, flows, sources, mine)
                 for s in sources:
                     supply[s] = int(counts[s, e]) - sum(flows[s][c] for c in mine)
@@ -225,3 +227,19 @@ def test_best_routing_keeps_the_plans_copies_and_quotas_and_is_never_slower():
     assert best_routing(alone, counts, topology, dims)[0] == exchange_seconds_per_rank(alone, topology, dims).max()
 
 
+
+
+def test_proportional_floor_is_exact_past_the_int32_product():
+    """floor(share * x / whole) against Python's integers, with products far past 2^31, at the
+    ends (x = 0, x = whole, share = whole) and for an empty whole (0)."""
+    rng = np.random.default_rng(0)
+    whole = np.concatenate([rng.integers(1, 2**31 - 1, 300), rng.integers(1, 1000, 100), [2**31 - 1, 1, 0]])
+    share = (rng.random(whole.size) * (whole + 1)).astype(np.int64)
+    x = (rng.random(whole.size) * (whole + 1)).astype(np.int64)
+    share[:20], x[20:40] = whole[:20], whole[20:40]
+    x[40:50] = 0
+    share, x = np.minimum(share, whole), np.minimum(x, whole)
+    want = [int(a) * int(b) // int(c) if c else 0 for a, b, c in zip(share, x, whole)]
+    args = [v.astype(np.int32) for v in (share, x, whole)]
+    np.testing.assert_array_equal(np.asarray(jax.jit(proportional_floor)(*args)), want)
+    np.testing.assert_array_equal(proportional_floor(*args, xp=np), want)

@@ -73,6 +73,28 @@ def scatter_add(shape, index: tuple, values, xp=jnp):
     return jnp.zeros(shape, values.dtype).at[index].add(values)
 
 
+def proportional_floor(share, x, whole, xp=jnp):
+    """floor(share * x / whole) elementwise and exact, for int32 0 <= share, x <= whole (0 where
+    whole is 0): the part of `share` that falls on the first x of `whole`, monotone in x and rising
+    by at most one per unit of x. The product can pass 2^31, so inside jit it is formed one bit of x
+    at a time in uint32, its remainder kept below `whole` (a fixed 31 elementwise steps, one fusion)."""
+    if xp is np:
+        whole = np.asarray(whole, np.int64)
+        return np.where(whole > 0, np.asarray(share, np.int64) * x // np.maximum(whole, 1), 0).astype(np.int32)
+    share, x = share.astype(jnp.uint32), x.astype(jnp.uint32)
+    divisor = jnp.maximum(whole, 1).astype(jnp.uint32)
+    quotient = jnp.zeros_like(x)
+    remainder = jnp.zeros_like(x)  # share * (x's bits so far) = quotient * divisor + remainder
+    for bit in range(30, -1, -1):
+        quotient, remainder = quotient * 2, remainder * 2  # remainder < 2 divisor < 2^32
+        over = remainder >= divisor
+        quotient, remainder = quotient + over, jnp.where(over, remainder - divisor, remainder)
+        remainder = remainder + jnp.where((x >> bit) & 1 == 1, share, 0)  # < divisor + share <= 2 divisor
+        over = remainder >= divisor
+        quotient, remainder = quotient + over, jnp.where(over, remainder - divisor, remainder)
+    return jnp.where(whole > 0, quotient, 0).astype(jnp.int32)
+
+
 def one_hot(ids, n, xp=jnp):
     """int32 one-hot of ids along a new last axis; id -1 gives an all-zero row."""
     return (ids[..., None] == xp.arange(n, dtype=xp.int32)).astype(xp.int32)

@@ -4,7 +4,9 @@ Per expert, its sources (in rank order) and its slots (in rank order) are laid e
 lines of the same length, the expert's load, and each source sends to each slot the overlap of
 their intervals: every slot takes exactly its quota and every pair lands. With locality tiers, each
 node first keeps what it can of an expert's pairs on its own slots of that expert (min of its
-sources' pairs and its slots' quotas), laid out the same way within the node; the rest crosses.
+sources' pairs and its slots' quotas): its sources give them in rank order and its slots take them
+in proportion to their quotas, so every slot of an expert on a node is fed the same local share. The
+rest crosses.
 
 `route_lines` builds the lines once: node-level [N, E] tables and the slots' [R x S] intervals, with
 no loop, search or sort. Any block of the route (some nodes' sources against some slots) is then one
@@ -24,7 +26,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Int
 
 from jtopoep.plan import Plan
-from jtopoep.planners.arrays import exclusive_prefix_sum, prefix_sum, scatter_add
+from jtopoep.planners.arrays import exclusive_prefix_sum, prefix_sum, proportional_floor, scatter_add
 
 
 def _overlap_of(lo, hi, slot_lo, slot_hi, xp):
@@ -79,8 +81,12 @@ def route_lines(counts: Int[ArrayLike, "R E"], slot_expert: Int[ArrayLike, "R S"
     before = (by_node == by_node.transpose(0, 2, 1)) & (rank_in_node[None, :] <= rank_in_node[:, None])[None]
     slot_hi = (before * quota.reshape(nodes, 1, -1)).sum(2).reshape(-1)  # [N, G S, G S] -> [R S]
     slot_lo = slot_hi - quota
-    slot_kept = kept[slot_node, expert]
-    take_lo, take_hi = xp.minimum(slot_lo, slot_kept), xp.minimum(slot_hi, slot_kept)
+    # The node's kept pairs of an expert are shared over its slots of that expert in proportion to
+    # their quotas: given in rank order, the first slot (often the home) took them all and a copy
+    # beside it was fed from other nodes alone, which set the busiest scale-out receive.
+    slot_kept, slot_room = kept[slot_node, expert], room[slot_node, expert]
+    take = proportional_floor(slot_kept[None], xp.stack([slot_lo, slot_hi]), slot_room[None], xp)
+    take_lo, take_hi = take[0], take[1]
     cross_lo = slot_before[slot_node, expert] + slot_lo - take_lo
     cross_hi = slot_before[slot_node, expert] + slot_hi - take_hi
     return RouteLines(counts, source_before, kept, expert, cross_lo, cross_hi, take_lo, take_hi)
