@@ -28,7 +28,7 @@ import dataclasses
 
 import numpy as np
 
-from jtopoep.plan import Plan, guest_sources, home_rank_of_experts
+from jtopoep.plan import Plan, guest_fetch, home_rank_of_experts
 from jtopoep.topology import Topology
 
 EXCHANGES_PER_LAYER = 4  # dispatch + combine, forward + backward
@@ -112,17 +112,19 @@ def shipped_guest_slots(plan: Plan, placement, held=None) -> tuple[np.ndarray, n
 
 
 def guest_transfers(plan: Plan, placement: np.ndarray, gpus_per_node: int, held=None) -> np.ndarray:
-    """[R(sender), R(guest host)] number of guest copies each rank sends each rank under the fan-out
-    fetch (plan.guest_sources: a home sends across nodes once per node, relays pass copies on over
-    NVLink); held: as shipped_guest_slots. Gradients travel the same links back."""
+    """[R(sender), R(receiver)] number of guest copies each rank sends each rank under the fan-out
+    fetch (plan.guest_fetch: a node sends each expert across once per node holding copies, spread
+    over its scale-out links, its homes handing copies to peers over NVLink; relays pass copies on
+    over NVLink); held: as shipped_guest_slots. Gradients travel the same links back."""
     home_rank, shipped = shipped_guest_slots(plan, placement, held)
     home = np.asarray(placement).shape[1]
     guests = np.asarray(plan.slot_expert)[:, home:]
-    source = guest_sources(guests, np.asarray(placement), gpus_per_node, shipped, np)
+    source, staged = guest_fetch(guests, np.asarray(placement), gpus_per_node, shipped, np)
     num_ranks = home_rank.shape[0]
     moves = np.zeros((num_ranks, num_ranks), np.int64)
-    for d, h in zip(*np.nonzero(shipped)):
-        moves[source[d, h], d] += 1
+    np.add.at(moves, (source[shipped], np.nonzero(shipped)[0]), 1)
+    rail, _ = np.nonzero(staged >= 0)
+    np.add.at(moves, (home_rank_of_experts(np.asarray(placement), np)[staged[staged >= 0]], rail), 1)
     return moves
 
 

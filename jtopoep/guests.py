@@ -3,15 +3,16 @@
 Called inside shard_map over ("node", "gpu"), from jtopoep.dispatch.
 
     guests  = plan.slot_expert[:, H:]           i[R, K]  every rank's guest experts (-1 empty)
-    fetch   : home rank h sends each of its experts once to every other node holding copies of it
-              (to the node's first holder, the relay) and directly to the holders on its own node;
-              each relay passes its copy on to the other holders of its node over NVLink
-              (plan.guest_sources; two exchanges, transport.exchange)
+    fetch   : each expert goes once to every other node holding copies of it (to the node's first
+              holder, the relay), and directly to the holders on its own node; a node's crossings
+              are spread over its scale-out links, a home handing the ones past its share to peers
+              over NVLink; each relay passes its copy on to the other holders of its node over
+              NVLink (plan.guest_fetch; three exchanges, transport.exchange)
     backward: the transpose: each node's guest gradients are summed at its relay, which sends one
-              sum home, where they add into the home expert's gradient
+              sum back, through the peer that sent the copy where one did, to the home expert
 
-A hot expert with copies on many ranks thus costs its home's scale-out link one transfer per node,
-not one per copy.
+A hot expert with copies on many ranks thus costs the scale-out links one transfer per node, not one
+per copy, and those transfers leave from several of its node's links, not all from its home's.
 
 Keeping copies across micro-batches. With gradient accumulation the weights do not change between
 the micro-batches of one optimizer step, so a copy a rank already holds from the previous micro-batch
@@ -41,7 +42,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jtopoep.ordering import first_argmax, stable_order
-from jtopoep.plan import guest_sources, home_rank_of_experts
+from jtopoep.plan import guest_fetch, home_rank_of_experts
 from jtopoep.transport import exchange, exclusive_cumsum
 
 
@@ -90,32 +91,42 @@ def _deliver(rows, pick, src, me, move, num_guests: int, max_sends: int):
 
 def _fetch(weights: ExpertWeights, guests, placement, me, skip, move) -> ExpertWeights:
     """[K, ...] weights of this rank's guest slots, fanned out from the experts' home ranks
-    (plan.guest_sources): first each home sends its copies to the holders on its own node and to
-    one relay on every other node holding the expert, then each relay passes its copy on to the
-    other holders of its node. Slots that are empty or `skip`ped [R, K] get zeros and nothing is
+    (plan.guest_fetch), in three exchanges: each home hands the copies a peer sends across for it to
+    that peer (NVLink); then homes and those peers send to the holders on their own node and to one
+    relay on every other node holding the expert; then each relay passes its copy on to the other
+    holders of its node (NVLink). Slots that are empty or `skip`ped [R, K] get zeros and nothing is
     sent for them. Linear in `weights`, so its transpose returns the gradients up the same tree."""
     gpus_per_node = move[0]
     num_ranks, home = placement.shape
     num_guests = guests.shape[1]
+    num_nodes = num_ranks // gpus_per_node
     home_rank = home_rank_of_experts(placement)
     home_slot = first_argmax(placement[home_rank] == jnp.arange(placement.size)[:, None], axis=1)  # [E]
     sent = (guests >= 0) & ~skip
-    src = guest_sources(guests, placement, gpus_per_node, sent)
-    from_home = src == home_rank[jnp.maximum(guests, 0)]
+    src, staged = guest_fetch(guests, placement, gpus_per_node, sent)
     rows = jnp.concatenate([w.reshape(home, -1) for w in weights], axis=1)  # [H, 3*D*F]
-    # A home sends to slots of its own node (G * K at most) and to one relay per other node and
-    # expert; a relay to slots of its node: the send buffers need no more rows than that.
-    node_slots = gpus_per_node * num_guests
-    from_homes = min(num_ranks * num_guests, node_slots + home * (num_ranks // gpus_per_node - 1))
-    got = _deliver(rows, home_slot[jnp.maximum(guests, 0)], jnp.where(from_home, src, -1), me, move, num_guests,
-                   from_homes)
-    # Stage 2, over NVLink: a relay sends the row of its own slot holding the expert.
-    relayed = sent & ~from_home
-    held_at = (guests[src.clip(0)] == guests[:, :, None]).astype(jnp.int32)  # [R, K, K] the relay's slots
-    relay_slot = first_argmax(held_at, axis=2)
+    # Stage 1, over NVLink: the staging rows [K] of the peers that send copies across for a home.
+    # A home hands at most its experts' crossings beyond its own share: H (N - 1) rows.
+    hands = min(num_ranks * num_guests, home * (num_nodes - 1))
+    staged_rows = _deliver(rows, home_slot[jnp.maximum(staged, 0)], jnp.where(staged >= 0, home_rank[staged], -1),
+                           me, move, num_guests, hands) if hands else jnp.zeros((num_guests, rows.shape[1]), rows.dtype)
+    # Stage 2: from a home (its own rows) or a peer sending for it (its staging rows), to slots of
+    # the sender's node and to one relay per other node and expert. A rank sends to at most G K slots
+    # of its node, H (N - 1) relays as a home and K as a peer.
+    expert = jnp.maximum(guests, 0)
+    same_node = src // gpus_per_node == jnp.arange(num_ranks)[:, None] // gpus_per_node
+    first_hop = sent & ((src == home_rank[expert]) | ~same_node)
+    pick = jnp.where(src == home_rank[expert], home_slot[expert],
+                     home + first_argmax(staged[src.clip(0)] == guests[:, :, None], axis=2))
+    sends = min(num_ranks * num_guests, gpus_per_node * num_guests + home * (num_nodes - 1) + num_guests)
+    got = _deliver(jnp.concatenate([rows, staged_rows]), pick, jnp.where(first_hop, src, -1), me, move, num_guests,
+                   sends)
+    # Stage 3, over NVLink: a relay sends the row of its own slot holding the expert.
+    relayed = sent & ~first_hop
+    relay_slot = first_argmax(guests[src.clip(0)] == guests[:, :, None], axis=2)  # [R, K] the relay's slot
     got = jnp.where(jax.lax.dynamic_index_in_dim(relayed, me, 0, keepdims=False)[:, None],
                     _deliver(got, relay_slot, jnp.where(relayed, src, -1), me, move, num_guests,
-                             min(num_ranks * num_guests, node_slots)), got)
+                             min(num_ranks * num_guests, gpus_per_node * num_guests)), got)
     parts, start = [], 0
     for w in weights:
         size = w[0].size

@@ -133,25 +133,74 @@ def plan_fingerprint(plan: tuple) -> Int[Array, ""]:
 
 
 
-def guest_sources(guests: Int[ArrayLike, "R K"], placement: Int[ArrayLike, "R H"], gpus_per_node: int,
-                  sent: Bool[ArrayLike, "R K"] | None = None, xp=jnp) -> Int[ArrayLike, "R K"]:
-    """[R, K] the rank that sends each guest slot its expert's weights (-1 for empty slots and those
-    not `sent`), as the fan-out fetch does: a copy on its expert's home node comes from the home over
-    NVLink; on another node, the home sends one copy across, to that node's first slot holding the
-    expert (in (rank, slot) order: the relay), and the relay passes it on over NVLink to the node's
-    other holders. Gradients go back up the same tree, summed at each relay. numpy or jnp (xp)."""
+class GuestFetch(NamedTuple):
+    """How guest weights travel (guest_fetch): who sends each guest slot its copy, and which copies
+    each rank stages, handed over NVLink by their home, to send across nodes for it."""
+    source: Int[ArrayLike, "R K"]  # the rank guest slot (d, i) gets its weights from; -1: nothing sent
+    staged: Int[ArrayLike, "R K"]  # experts rank r sends across for their home (from its home); -1 none
+
+
+def _scatter_set(size: int, index, values, where, xp):
+    """full(size, -1) with values written at index where `where`; each index written at most once."""
+    index = xp.where(where, index, size)
+    if xp is np:
+        out = np.full(size + 1, -1, np.int32)
+        out[index] = values
+        return out[:size]
+    return jnp.full(size, -1, jnp.int32).at[index].set(values.astype(jnp.int32), mode="drop")
+
+
+def guest_fetch(guests: Int[ArrayLike, "R K"], placement: Int[ArrayLike, "R H"], gpus_per_node: int,
+                sent: Bool[ArrayLike, "R K"] | None = None, xp=jnp) -> GuestFetch:
+    """The fan-out fetch of the guest weights (jtopoep.guests; numpy or jnp, xp), for the slots
+    `sent` (default every non-empty one):
+    - a copy on its expert's home node comes from the home over NVLink;
+    - each other node holding copies gets one across, into its first slot holding the expert (in
+      (rank, slot) order: the relay), which passes it on to the node's other holders over NVLink;
+    - the copies a node sends across ("crossings") are spread over the node's scale-out links: a home
+      sends up to ceil(crossings of its node / G) over its own link, and hands the rest over NVLink
+      to peers with fewer, which send them for it (at most K each: their staging rows). So a hot
+      expert wanted on many nodes does not queue on its home's one link.
+    Gradients go back up the same tree, summed at each relay and rail."""
     num_ranks, slots = guests.shape
+    none = xp.full((num_ranks, slots), -1, xp.int32)
     if slots == 0:
-        return xp.zeros((num_ranks, 0), xp.int32)
+        return GuestFetch(none, none)
+    count = num_ranks * slots
     flat = guests.reshape(-1)
-    if sent is None:
-        sent = guests >= 0
-    sent = sent.reshape(-1) & (flat >= 0)
+    sent = (flat >= 0) if sent is None else (sent.reshape(-1) & (flat >= 0))
     home = home_rank_of_experts(placement, xp)[xp.maximum(flat, 0)]
-    node = xp.repeat(xp.arange(num_ranks, dtype=xp.int32), slots) // gpus_per_node
+    index = xp.arange(count, dtype=xp.int32)
+    node = index // slots // gpus_per_node
     # The relay of each slot: the first sent slot of the same node holding the same expert.
     same = (flat[:, None] == flat[None, :]) & (node[:, None] == node[None, :]) & sent[None, :]
-    relay = xp.argmax(same, axis=1) // slots
-    source = xp.where(home // gpus_per_node == node, home, xp.where(relay == xp.arange(flat.shape[0]) // slots,
-                                                                     home, relay))
-    return xp.where(sent, source, -1).reshape(num_ranks, slots).astype(xp.int32)
+    first = xp.argmax(same, axis=1).astype(xp.int32)
+    home_node = home // gpus_per_node
+    crossing = sent & (first == index) & (home_node != node)
+    # Each home's crossings in slot order; how many it has, and how many its node has per link.
+    before = (crossing[None, :] & (home[None, :] == home[:, None]) & (index[None, :] < index[:, None])).sum(1)
+    home_of_crossing = xp.where(crossing, home, num_ranks)
+    if xp is np:
+        sends = np.bincount(home_of_crossing, minlength=num_ranks + 1)[:num_ranks].astype(np.int32)
+    else:
+        sends = jnp.zeros(num_ranks + 1, jnp.int32).at[home_of_crossing].add(1)[:num_ranks]
+    per_node = sends.reshape(-1, gpus_per_node)
+    share = -(-per_node.sum(1, keepdims=True) // gpus_per_node)  # [N, 1]
+    own = xp.minimum(per_node, share)
+    free = xp.minimum(share - own, slots)  # a home with more than its share has none
+    excess = per_node - own
+    excess_before = (xp.cumsum(excess, axis=1) - excess).reshape(-1)
+    free_end = xp.cumsum(free, axis=1)  # [N, G]
+    # The j-th excess crossing of a node goes to the peer whose free interval holds j; past them
+    # all (staging rows full), it stays on its home's link.
+    extra = before - own.reshape(-1)[home]  # >= 0: past the home's own share
+    j = excess_before[home] + extra
+    lane = (free_end[home_node] <= j[:, None]).sum(1)
+    handed = crossing & (extra >= 0) & (lane < gpus_per_node)
+    rail = (home_node * gpus_per_node + xp.minimum(lane, gpus_per_node - 1)).astype(xp.int32)
+    row = j - (free_end.reshape(-1)[rail] - free.reshape(-1)[rail])
+    staged = _scatter_set(count, rail * slots + row, flat, handed, xp)
+    source = xp.where(home_node == node, home, xp.where(first == index, xp.where(handed, rail, home),
+                                                        first // slots))
+    return GuestFetch(xp.where(sent, source, -1).reshape(num_ranks, slots).astype(xp.int32),
+                      staged.reshape(num_ranks, slots).astype(xp.int32))

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 import pytest
 
 from jtopoep.guests import ExpertWeights, GuestCopies, fetch_guest_weights, join_hidden, kept_slots
-from jtopoep.plan import contiguous_placement, guest_sources
+from jtopoep.plan import contiguous_placement, guest_fetch
 from jtopoep.topology import Topology, make_mesh
 
 R, E, K, D, F = 8, 16, 3, 5, 4
@@ -22,6 +22,10 @@ GUESTS = np.array([[5, 9, -1], [0, 14, 7], [1, 12, 6], [9, -1, -1],
 # The copies held after the previous micro-batch: some again in another column, some gone, some new.
 HELD = np.array([[9, 5, -1], [6, 14, 3], [-1, -1, -1], [9, 10, 11],
                  [3, 2, 15], [4, 8, 10], [13, 8, 0], [11, 4, 2]], np.int32)
+# Node 1 wants the experts of ranks 0 and 1 (0-3): node 0 sends 4 copies across, one per link, so
+# ranks 0 and 1 each hand one to a peer (ranks 2 and 3) over NVLink.
+HOT = np.array([[9, -1, -1], [12, -1, -1], [-1, -1, -1], [-1, -1, -1],
+                [0, 1, 2], [3, 0, -1], [1, 2, 3], [-1, 8, 0]], np.int32)
 
 
 def weights(seed=0):
@@ -60,13 +64,31 @@ def test_fan_out_sends_each_expert_across_once_per_node():
     """Expert 3 (home rank 1, node 0) has copies on ranks 4 and 5 (node 1): the home sends it to
     rank 4, the node's first holder, which passes it on to rank 5; expert 0's copy on rank 1 (its
     home node) comes from home. Across nodes, one send per (expert, node holding copies of it)."""
-    src = np.asarray(guest_sources(jnp.asarray(GUESTS), PLACEMENT, 4))
+    src, staged = map(np.asarray, guest_fetch(jnp.asarray(GUESTS), PLACEMENT, 4))
     assert src[4, 2] == 1 and src[5, 2] == 4 and src[1, 0] == 0 and (src[GUESTS < 0] == -1).all()
+    assert (staged == -1).all()  # no home here sends more than its node's share across
     node = np.arange(R) // 4
     across = (src >= 0) & (node[np.maximum(src, 0)] != node[:, None])
     remote = {(g, node[d]) for d in range(R) for g in GUESTS[d] if g >= 0 and (g // 2) // 4 != node[d]}
     assert across.sum() == len(remote) < sum(1 for d in range(R) for g in GUESTS[d] if g >= 0 and (g // 2) // 4 != node[d])
-    np.testing.assert_array_equal(guest_sources(GUESTS, np.asarray(PLACEMENT), 4, xp=np), src)
+    for got, want in zip(guest_fetch(GUESTS, np.asarray(PLACEMENT), 4, xp=np), (src, staged)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_home_hands_copies_past_its_share_to_peers_with_free_links():
+    """HOT: node 0 sends experts 0-3 across, two from each of ranks 0 and 1; a node's share is
+    ceil(4 / 4) = 1 per link, so each home sends its first over its own link and hands the second
+    to ranks 2 and 3, which send it across; node 1's other holders get theirs from its relay."""
+    src, staged = map(np.asarray, guest_fetch(jnp.asarray(HOT), PLACEMENT, 4))
+    assert src[4].tolist() == [0, 2, 1] and src[5].tolist() == [3, 4, -1] and src[6].tolist() == [4, 4, 5]
+    assert staged[2].tolist() == [1, -1, -1] and staged[3].tolist() == [3, -1, -1]
+    assert (staged[[0, 1, 4, 5, 6, 7]] == -1).all()
+    node = np.arange(R) // 4
+    across = (src >= 0) & (node[np.maximum(src, 0)] != node[:, None])
+    senders = src[across]
+    assert np.bincount(senders[senders < 4], minlength=4).tolist() == [1, 1, 1, 1]
+    for got, want in zip(guest_fetch(HOT, np.asarray(PLACEMENT), 4, xp=np), (src, staged)):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_kept_slots_are_the_experts_the_rank_still_holds():
@@ -77,13 +99,14 @@ def test_kept_slots_are_the_experts_the_rank_still_holds():
 
 
 @pytest.mark.parametrize("chunks", [1, 2])
-def test_fetch_puts_each_experts_weights_in_its_slot_and_sends_gradients_home(chunks):
+@pytest.mark.parametrize("guests", [GUESTS, HOT], ids=["relays", "handed-to-peers"])
+def test_fetch_puts_each_experts_weights_in_its_slot_and_sends_gradients_home(chunks, guests):
     w = weights()
     cot = weights(1)
     cot = ExpertWeights(*(np.resize(c, (R * K,) + c.shape[1:]) for c in cot))
-    (_, got), grads = fetcher(False, chunks)(w, GUESTS, HELD, held_copies(w, 0.0), cot)
+    (_, got), grads = fetcher(False, chunks)(w, guests, HELD, held_copies(w, 0.0), cot)
     for x, g, c, dw in zip(w, got, cot, grads):
-        rows = GUESTS.reshape(-1)
+        rows = guests.reshape(-1)
         np.testing.assert_array_equal(np.asarray(g), np.where((rows >= 0)[:, None, None], x[np.maximum(rows, 0)], 0))
         # Each expert's gradient: the cotangents of the slots holding it.
         expected = np.zeros_like(x)
@@ -118,3 +141,49 @@ def test_slices_must_divide_the_hidden_width():
     with pytest.raises(ValueError, match=r"chunks = 3 must be a positive divisor of the expert hidden width 4"):
         fetch_guest_weights(w, jnp.asarray(GUESTS), jnp.asarray(PLACEMENT), 0, gpus_per_node=4, backend="dense",
                             chunks=3)
+
+
+def test_fan_out_on_random_placements_sends_each_copy_across_once_spread_over_links():
+    """Any placement, any guests, any held subset: every (expert, node) that needs a copy gets one
+    across, from a rank of its home's node; a rank sends more than its node's share across only when
+    every peer below the share has its K staging rows full; numpy and jnp agree."""
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        gpus, nodes = int(rng.choice([2, 4])), int(rng.integers(2, 5))
+        home, slots = int(rng.integers(1, 3)), int(rng.integers(1, 4))
+        ranks, experts = gpus * nodes, gpus * nodes * home
+        placement = rng.permutation(experts).reshape(ranks, home).astype(np.int32)
+        home_of = np.zeros(experts, int)
+        home_of[placement.reshape(-1)] = np.repeat(np.arange(ranks), home)
+        hot = rng.integers(0, experts, 2)
+        guests = np.full((ranks, slots), -1, np.int32)
+        for d in range(ranks):
+            pool = [e for e in list(range(experts)) + list(hot) * 4 if e not in placement[d]]
+            chosen = list(dict.fromkeys(rng.choice(pool, slots)))
+            guests[d, :len(chosen)] = chosen
+        sent = (rng.random((ranks, slots)) < 0.9) & (guests >= 0)
+        src, staged = guest_fetch(guests, placement, gpus, sent, xp=np)
+        for got, want in zip(guest_fetch(jnp.asarray(guests), jnp.asarray(placement), gpus, jnp.asarray(sent)),
+                             (src, staged)):
+            np.testing.assert_array_equal(np.asarray(got), want)
+        assert ((src >= 0) == sent).all()
+        node = np.arange(ranks) // gpus
+        crossings = {}
+        for d, i in zip(*np.nonzero(sent)):
+            e, s = guests[d, i], src[d, i]
+            if node[home_of[e]] == node[d]:
+                assert s == home_of[e]
+            elif node[s] != node[d]:
+                assert node[s] == node[home_of[e]] and (e, node[d]) not in crossings
+                assert s == home_of[e] or e in staged[s]
+                crossings[(e, node[d])] = s
+            else:
+                assert e in guests[s] and s != d
+        assert set(crossings) == {(guests[d, i], node[d]) for d, i in zip(*np.nonzero(sent))
+                                  if node[home_of[guests[d, i]]] != node[d]}
+        assert (staged >= 0).sum() == sum(s != home_of[e] for (e, _), s in crossings.items())
+        sends = np.bincount(list(crossings.values()), minlength=ranks).reshape(nodes, gpus)
+        share = -(-sends.sum(1, keepdims=True) // gpus)
+        full = (staged >= 0).sum(1).reshape(nodes, gpus) == slots
+        over = (sends > share).any(1)
+        assert (~over | ((sends >= share) | full).all(1)).all(), trial

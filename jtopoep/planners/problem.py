@@ -89,8 +89,9 @@ class Pricing(NamedTuple):
 class Shipped(NamedTuple):
     """Per home rank: pairs shed so far and transfers it makes, [R, 4] by (weights over NVLink,
     weights across nodes, gradients over NVLink, gradients across nodes); a held copy ships
-    gradients only. Under the fan-out fetch (plan.guest_sources) a home sends an expert across
-    nodes once per node holding copies of it (`reached`), the node's relay the rest."""
+    gradients only. Under the fan-out fetch (plan.guest_fetch) an expert crosses to each node
+    holding copies of it once (`reached`), the node's relay the rest. Every crossing is charged to
+    its home's own scale-out link, an upper bound: the fetch spreads a node's crossings over its links."""
     shed: Int[Array, " R"]
     copies: Int[Array, "R 4"]
     reached: Bool[Array, "E N"]
