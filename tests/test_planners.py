@@ -364,6 +364,20 @@ def test_a_home_pays_one_scale_out_transfer_per_node_it_reaches():
     np.testing.assert_array_equal(np.asarray(shipped_kinds).sum(0), [0, 1, 0, 1])  # what ship adds
 
 
+def test_pricing_counts_a_homes_crossings_past_its_share_as_nvlink_hand_offs():
+    """The fetch spreads a node's crossings over its G links (plan.guest_fetch): a home with three
+    crossings on a node of 4 GPUs with one more elsewhere (share ceil(4 / 4) = 1) sends one across
+    and hands two to peers over NVLink; with 7 elsewhere (share 3) it sends all three itself."""
+    from jtopoep.planners.problem import _node_others, _over_links
+
+    copies = jnp.asarray([[0, 3, 1, 3]], jnp.int32)  # weights NVLink, across; gradients NVLink, across
+    for elsewhere, expected in ((1, [2, 1, 3, 1]), (7, [0, 3, 1, 3])):
+        made = jnp.zeros((8, 4), jnp.int32).at[0].set(copies[0]).at[2, 1].set(elsewhere).at[2, 3].set(elsewhere)
+        others = _node_others(made, jnp.asarray([0]), 4)
+        np.testing.assert_array_equal(np.asarray(others), [[elsewhere, elsewhere]])
+        np.testing.assert_array_equal(np.asarray(_over_links(copies, others, 4))[0], expected)
+
+
 def test_rounds_that_stop_early_give_the_same_plans(monkeypatch):
     """On CPU the rounds stop once no spill is left; a round after that changes nothing, so the
     plans equal those of the full static count that GPUs run."""

@@ -90,8 +90,8 @@ class Shipped(NamedTuple):
     """Per home rank: pairs shed so far and transfers it makes, [R, 4] by (weights over NVLink,
     weights across nodes, gradients over NVLink, gradients across nodes); a held copy ships
     gradients only. Under the fan-out fetch (plan.guest_fetch) an expert crosses to each node
-    holding copies of it once (`reached`), the node's relay the rest. Every crossing is charged to
-    its home's own scale-out link, an upper bound: the fetch spreads a node's crossings over its links."""
+    holding copies of it once (`reached`), the node's relay the rest; a home's crossings past its
+    node's share of links are handed to peers over NVLink (_over_links)."""
     shed: Int[Array, " R"]
     copies: Int[Array, "R 4"]
     reached: Bool[Array, "E N"]
@@ -100,6 +100,26 @@ class Shipped(NamedTuple):
     def none(cls, num_ranks: int, num_experts: int, num_nodes: int) -> "Shipped":
         return cls(jnp.zeros(num_ranks, jnp.int32), jnp.zeros((num_ranks, 4), jnp.int32),
                    jnp.zeros((num_experts, num_nodes), bool))
+
+
+def _node_others(copies: Int[Array, "R 4"], home, gpus_per_node: int) -> Int[Array, "P 2"]:
+    """[P, 2] crossings (weights, gradients) the other homes of each `home`'s node have made."""
+    across = copies[:, 1::2]
+    node = across.reshape(-1, gpus_per_node, 2).sum(1)
+    return node[home // gpus_per_node] - across[home]
+
+
+def _over_links(copies, others, gpus_per_node: int):
+    """copies [P, 4] at a home as the fetch sends them (plan.guest_fetch): a node's crossings spread
+    over its G links, a home sends up to its node's share, ceil(node's crossings / G), across and
+    hands the rest to peers over NVLink. The other homes' crossings counted are only those made in
+    earlier rounds, so the share is never overstated."""
+    columns = []
+    for nvlink, across, other in ((0, 1, 0), (2, 3, 1)):
+        share = ceil_div(copies[:, across] + others[:, other], gpus_per_node)
+        handed = jnp.maximum(copies[:, across] - share, 0)
+        columns += [copies[:, nvlink] + handed, copies[:, across] - handed]
+    return jnp.stack(columns, 1)
 
 
 def _exposed(copies, shed, rank_loads, pricing: Pricing):
@@ -166,8 +186,9 @@ def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[
     shed = running[:, 0] + shipped.shed[home_s]
     copies = running[:, 1:] + shipped.copies[home_s]
     loads = problem.rank_loads[home_s]
-    after = _exposed(copies, shed, loads, pricing)
-    before = _exposed(copies - kinds_s, shed - amount_s, loads, pricing)
+    others = _node_others(shipped.copies, home_s, gpus_per_node)
+    after = _exposed(_over_links(copies, others, gpus_per_node), shed, loads, pricing)
+    before = _exposed(_over_links(copies - kinds_s, others, gpus_per_node), shed - amount_s, loads, pricing)
     # A copy saves the GEMM time of its pairs on the home rank, and the home's scale-out receive of
     # them (its remote share: the copy is fed by its own node's pairs first), which sets the
     # exchange term where hot experts' homes receive the most.
@@ -185,7 +206,9 @@ def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[
     # The cost model charges the most exposed rank. First each home's copies are judged against the
     # maxima the copies already made leave; then again against the maxima those accepted ones reach
     # (a copy that stays below the round's largest exposure costs nothing), which only adds copies.
-    floors = tuple(x.max() for x in _exposed(shipped.copies, shipped.shed, problem.rank_loads, pricing))
+    every_home = jnp.arange(num_ranks)
+    made_so_far = _over_links(shipped.copies, _node_others(shipped.copies, every_home, gpus_per_node), gpus_per_node)
+    floors = tuple(x.max() for x in _exposed(made_so_far, shipped.shed, problem.rank_loads, pricing))
     first = accepted(floors)
     floors = tuple(jnp.maximum(m, jnp.where(first, a, 0.0).max()) for m, a in zip(floors, after))
     made = accepted(floors)
