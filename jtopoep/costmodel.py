@@ -113,18 +113,21 @@ def shipped_guest_slots(plan: Plan, placement, held=None) -> tuple[np.ndarray, n
 
 def guest_transfers(plan: Plan, placement: np.ndarray, gpus_per_node: int, held=None) -> np.ndarray:
     """[R(sender), R(receiver)] number of guest copies each rank sends each rank under the fan-out
-    fetch (plan.guest_fetch: a node sends each expert across once per node holding copies, spread
-    over its scale-out links, its homes handing copies to peers over NVLink; relays pass copies on
-    over NVLink); held: as shipped_guest_slots. Gradients travel the same links back."""
+    fetch (plan.guest_fetch: each expert crosses once to each node holding copies, the crossings
+    spread over the scale-out links at both ends with NVLink hops to and from them; relays pass
+    copies on over NVLink); held: as shipped_guest_slots. Gradients travel the same links back."""
     home_rank, shipped = shipped_guest_slots(plan, placement, held)
     home = np.asarray(placement).shape[1]
     guests = np.asarray(plan.slot_expert)[:, home:]
-    source, staged = guest_fetch(guests, np.asarray(placement), gpus_per_node, shipped, np)
+    fetch = guest_fetch(guests, np.asarray(placement), gpus_per_node, shipped, np)
     num_ranks = home_rank.shape[0]
     moves = np.zeros((num_ranks, num_ranks), np.int64)
-    np.add.at(moves, (source[shipped], np.nonzero(shipped)[0]), 1)
-    rail, _ = np.nonzero(staged >= 0)
-    np.add.at(moves, (home_rank_of_experts(np.asarray(placement), np)[staged[staged >= 0]], rail), 1)
+    np.add.at(moves, (fetch.source[shipped], np.nonzero(shipped)[0]), 1)
+    peer, _ = np.nonzero(fetch.staged >= 0)
+    np.add.at(moves, (home_rank_of_experts(np.asarray(placement), np)[fetch.staged[fetch.staged >= 0]], peer), 1)
+    relay, _ = np.nonzero(fetch.received >= 0)
+    np.add.at(moves, (fetch.received_from[fetch.received >= 0], relay), 1)
+    np.fill_diagonal(moves, 0)  # a relay that holds the expert itself takes it from its own row
     return moves
 
 

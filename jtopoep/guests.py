@@ -103,7 +103,7 @@ def _fetch(weights: ExpertWeights, guests, placement, me, skip, move) -> ExpertW
     home_rank = home_rank_of_experts(placement)
     home_slot = first_argmax(placement[home_rank] == jnp.arange(placement.size)[:, None], axis=1)  # [E]
     sent = (guests >= 0) & ~skip
-    src, staged = guest_fetch(guests, placement, gpus_per_node, sent)
+    src, staged, received, received_from = guest_fetch(guests, placement, gpus_per_node, sent)
     rows = jnp.concatenate([w.reshape(home, -1) for w in weights], axis=1)  # [H, 3*D*F]
     # Stage 1, over NVLink: the staging rows [K] of the peers that send copies across for a home.
     # A home hands at most its experts' crossings beyond its own share: H (N - 1) rows.
@@ -111,22 +111,29 @@ def _fetch(weights: ExpertWeights, guests, placement, me, skip, move) -> ExpertW
     staged_rows = _deliver(rows, home_slot[jnp.maximum(staged, 0)], jnp.where(staged >= 0, home_rank[staged], -1),
                            me, move, num_guests, hands) if hands else jnp.zeros((num_guests, rows.shape[1]), rows.dtype)
     # Stage 2: from a home (its own rows) or a peer sending for it (its staging rows), to slots of
-    # the sender's node and to one relay per other node and expert. A rank sends to at most G K slots
-    # of its node, H (N - 1) relays as a home and K as a peer.
+    # the sender's node, and across to each crossing's receiver: a first holder's slot or a peer's
+    # receiving row. A rank sends to at most G K slots of its node, H (N - 1) receivers as a home
+    # and K as a peer.
     expert = jnp.maximum(guests, 0)
     same_node = src // gpus_per_node == jnp.arange(num_ranks)[:, None] // gpus_per_node
     first_hop = sent & ((src == home_rank[expert]) | ~same_node)
-    pick = jnp.where(src == home_rank[expert], home_slot[expert],
-                     home + first_argmax(staged[src.clip(0)] == guests[:, :, None], axis=2))
+    targets = jnp.concatenate([guests, received], axis=1)  # [R, 2K]: guest slots, then receiving rows
+    sources = jnp.concatenate([jnp.where(first_hop, src, -1), received_from], axis=1)
+    target_home = home_rank[jnp.maximum(targets, 0)]
+    pick = jnp.where(sources == target_home, home_slot[jnp.maximum(targets, 0)],
+                     home + first_argmax(staged[sources.clip(0)] == targets[:, :, None], axis=2))
     sends = min(num_ranks * num_guests, gpus_per_node * num_guests + home * (num_nodes - 1) + num_guests)
-    got = _deliver(jnp.concatenate([rows, staged_rows]), pick, jnp.where(first_hop, src, -1), me, move, num_guests,
-                   sends)
-    # Stage 3, over NVLink: a relay sends the row of its own slot holding the expert.
+    got = _deliver(jnp.concatenate([rows, staged_rows]), pick, sources, me, move, 2 * num_guests, sends)
+    # Stage 3, over NVLink: a relay sends the row holding the expert: its receiving row where it
+    # received the crossing there, else its own guest slot.
     relayed = sent & ~first_hop
-    relay_slot = first_argmax(guests[src.clip(0)] == guests[:, :, None], axis=2)  # [R, K] the relay's slot
+    in_received = (received[src.clip(0)] == guests[:, :, None])  # [R, K, K]
+    relay_row = jnp.where(in_received.any(2), num_guests + first_argmax(in_received, axis=2),
+                          first_argmax(guests[src.clip(0)] == guests[:, :, None], axis=2))
+    mine = got[:num_guests]
     got = jnp.where(jax.lax.dynamic_index_in_dim(relayed, me, 0, keepdims=False)[:, None],
-                    _deliver(got, relay_slot, jnp.where(relayed, src, -1), me, move, num_guests,
-                             min(num_ranks * num_guests, gpus_per_node * num_guests)), got)
+                    _deliver(got, relay_row, jnp.where(relayed, src, -1), me, move, num_guests,
+                             min(num_ranks * num_guests, gpus_per_node * num_guests)), mine)
     parts, start = [], 0
     for w in weights:
         size = w[0].size

@@ -134,10 +134,13 @@ def plan_fingerprint(plan: tuple) -> Int[Array, ""]:
 
 
 class GuestFetch(NamedTuple):
-    """How guest weights travel (guest_fetch): who sends each guest slot its copy, and which copies
-    each rank stages, handed over NVLink by their home, to send across nodes for it."""
+    """How guest weights travel (guest_fetch): who sends each guest slot its copy, which copies each
+    rank sends across for their home (handed over NVLink), and which it receives from across for
+    the holders of its node (passed on over NVLink)."""
     source: Int[ArrayLike, "R K"]  # the rank guest slot (d, i) gets its weights from; -1: nothing sent
     staged: Int[ArrayLike, "R K"]  # experts rank r sends across for their home (from its home); -1 none
+    received: Int[ArrayLike, "R K"]  # experts rank r receives from across for its node's holders; -1 none
+    received_from: Int[ArrayLike, "R K"]  # the rank across that sends each of them; -1 none
 
 
 def _scatter_set(size: int, index, values, where, xp):
@@ -150,57 +153,79 @@ def _scatter_set(size: int, index, values, where, xp):
     return jnp.full(size, -1, jnp.int32).at[index].set(values.astype(jnp.int32), mode="drop")
 
 
+def _count(rank, where, num_ranks: int, xp):
+    """[R] how many of the entries `where` fall on each rank."""
+    rank = xp.where(where, rank, num_ranks)
+    if xp is np:
+        return np.bincount(rank, minlength=num_ranks + 1)[:num_ranks].astype(np.int32)
+    return jnp.zeros(num_ranks + 1, jnp.int32).at[rank].add(1)[:num_ranks]
+
+
+def _spread_over_links(rank, before, crossing, num_ranks: int, gpus_per_node: int, rows: int, xp):
+    """Crossings spread over their node's G scale-out links: each `crossing` entry falls on `rank`,
+    `before` of that rank's crossings ahead of it. A rank keeps up to its node's share,
+    ceil(crossings of the node / G); the j-th of the node's crossings past the ranks' shares goes
+    to the rank whose free interval (share - kept, at most `rows` staging rows) holds j, and past
+    them all stays where it was. Returns ([n] moved, [n] new rank, [n] its staging row)."""
+    per_node = _count(rank, crossing, num_ranks, xp).reshape(-1, gpus_per_node)
+    share = -(-per_node.sum(1, keepdims=True) // gpus_per_node)  # [N, 1]
+    kept = xp.minimum(per_node, share)
+    free = xp.minimum(share - kept, rows)  # a rank with more than its share has none
+    excess = per_node - kept
+    excess_before = (xp.cumsum(excess, axis=1) - excess).reshape(-1)
+    free_end = xp.cumsum(free, axis=1)  # [N, G]
+    node = rank // gpus_per_node
+    extra = before - kept.reshape(-1)[rank]  # >= 0: past the rank's share
+    j = excess_before[rank] + extra
+    lane = (free_end[node] <= j[:, None]).sum(1)
+    moved = crossing & (extra >= 0) & (lane < gpus_per_node)
+    target = (node * gpus_per_node + xp.minimum(lane, gpus_per_node - 1)).astype(xp.int32)
+    return moved, target, j - (free_end.reshape(-1)[target] - free.reshape(-1)[target])
+
+
 def guest_fetch(guests: Int[ArrayLike, "R K"], placement: Int[ArrayLike, "R H"], gpus_per_node: int,
                 sent: Bool[ArrayLike, "R K"] | None = None, xp=jnp) -> GuestFetch:
     """The fan-out fetch of the guest weights (jtopoep.guests; numpy or jnp, xp), for the slots
     `sent` (default every non-empty one):
     - a copy on its expert's home node comes from the home over NVLink;
-    - each other node holding copies gets one across, into its first slot holding the expert (in
-      (rank, slot) order: the relay), which passes it on to the node's other holders over NVLink;
-    - the copies a node sends across ("crossings") are spread over the node's scale-out links: a home
-      sends up to ceil(crossings of its node / G) over its own link, and hands the rest over NVLink
-      to peers with fewer, which send them for it (at most K each: their staging rows). So a hot
-      expert wanted on many nodes does not queue on its home's one link.
-    Gradients go back up the same tree, summed at each relay and rail."""
+    - each other node holding copies gets one across ("a crossing"), which its first slot holding
+      the expert (in (rank, slot) order) receives and passes on to the node's other holders over
+      NVLink;
+    - crossings are spread over the links at both ends (_spread_over_links): a home sends up to its
+      node's share across and hands the rest over NVLink to peers below the share, which send them
+      for it; a first holder receives up to its node's share and the rest go to peers below it,
+      which pass them on to the holders. So a hot expert wanted on many nodes does not queue on its
+      home's one link, nor two copies on one receiving link.
+    Gradients go back up the same tree, summed on the way."""
     num_ranks, slots = guests.shape
     none = xp.full((num_ranks, slots), -1, xp.int32)
     if slots == 0:
-        return GuestFetch(none, none)
+        return GuestFetch(none, none, none, none)
     count = num_ranks * slots
     flat = guests.reshape(-1)
     sent = (flat >= 0) if sent is None else (sent.reshape(-1) & (flat >= 0))
     home = home_rank_of_experts(placement, xp)[xp.maximum(flat, 0)]
     index = xp.arange(count, dtype=xp.int32)
     node = index // slots // gpus_per_node
-    # The relay of each slot: the first sent slot of the same node holding the same expert.
+    # The first holder of each slot's expert on its node: the first sent slot there holding it.
     same = (flat[:, None] == flat[None, :]) & (node[:, None] == node[None, :]) & sent[None, :]
     first = xp.argmax(same, axis=1).astype(xp.int32)
     home_node = home // gpus_per_node
     crossing = sent & (first == index) & (home_node != node)
-    # Each home's crossings in slot order; how many it has, and how many its node has per link.
+    # Sending side: each home's crossings in slot order.
     before = (crossing[None, :] & (home[None, :] == home[:, None]) & (index[None, :] < index[:, None])).sum(1)
-    home_of_crossing = xp.where(crossing, home, num_ranks)
-    if xp is np:
-        sends = np.bincount(home_of_crossing, minlength=num_ranks + 1)[:num_ranks].astype(np.int32)
-    else:
-        sends = jnp.zeros(num_ranks + 1, jnp.int32).at[home_of_crossing].add(1)[:num_ranks]
-    per_node = sends.reshape(-1, gpus_per_node)
-    share = -(-per_node.sum(1, keepdims=True) // gpus_per_node)  # [N, 1]
-    own = xp.minimum(per_node, share)
-    free = xp.minimum(share - own, slots)  # a home with more than its share has none
-    excess = per_node - own
-    excess_before = (xp.cumsum(excess, axis=1) - excess).reshape(-1)
-    free_end = xp.cumsum(free, axis=1)  # [N, G]
-    # The j-th excess crossing of a node goes to the peer whose free interval holds j; past them
-    # all (staging rows full), it stays on its home's link.
-    extra = before - own.reshape(-1)[home]  # >= 0: past the home's own share
-    j = excess_before[home] + extra
-    lane = (free_end[home_node] <= j[:, None]).sum(1)
-    handed = crossing & (extra >= 0) & (lane < gpus_per_node)
-    rail = (home_node * gpus_per_node + xp.minimum(lane, gpus_per_node - 1)).astype(xp.int32)
-    row = j - (free_end.reshape(-1)[rail] - free.reshape(-1)[rail])
-    staged = _scatter_set(count, rail * slots + row, flat, handed, xp)
-    source = xp.where(home_node == node, home, xp.where(first == index, xp.where(handed, rail, home),
-                                                        first // slots))
-    return GuestFetch(xp.where(sent, source, -1).reshape(num_ranks, slots).astype(xp.int32),
-                      staged.reshape(num_ranks, slots).astype(xp.int32))
+    handed, peer, row = _spread_over_links(home, before, crossing, num_ranks, gpus_per_node, slots, xp)
+    sender = xp.where(handed, peer, home)
+    # Receiving side: each first holder's crossings in slot order.
+    holder = index // slots
+    mine = crossing.reshape(num_ranks, slots)
+    before = (xp.cumsum(mine, axis=1) - mine).reshape(-1)
+    moved, relay, row_in = _spread_over_links(holder, before, crossing, num_ranks, gpus_per_node, slots, xp)
+    relay = xp.where(moved, relay, holder)
+    source = xp.where(home_node == node, home,
+                      xp.where((first == index) & ~moved, sender, relay[first]))
+    shape = (num_ranks, slots)
+    return GuestFetch(xp.where(sent, source, -1).reshape(shape).astype(xp.int32),
+                      _scatter_set(count, peer * slots + row, flat, handed, xp).reshape(shape),
+                      _scatter_set(count, relay * slots + row_in, flat, moved, xp).reshape(shape),
+                      _scatter_set(count, relay * slots + row_in, sender, moved, xp).reshape(shape))

@@ -64,31 +64,37 @@ def test_fan_out_sends_each_expert_across_once_per_node():
     """Expert 3 (home rank 1, node 0) has copies on ranks 4 and 5 (node 1): the home sends it to
     rank 4, the node's first holder, which passes it on to rank 5; expert 0's copy on rank 1 (its
     home node) comes from home. Across nodes, one send per (expert, node holding copies of it)."""
-    src, staged = map(np.asarray, guest_fetch(jnp.asarray(GUESTS), PLACEMENT, 4))
+    fetch = guest_fetch(jnp.asarray(GUESTS), PLACEMENT, 4)
+    src = np.asarray(fetch.source)
     assert src[4, 2] == 1 and src[5, 2] == 4 and src[1, 0] == 0 and (src[GUESTS < 0] == -1).all()
-    assert (staged == -1).all()  # no home here sends more than its node's share across
+    # No link here sends or receives more than its node's share across: nothing handed on.
+    assert all((np.asarray(x) == -1).all() for x in fetch[1:])
     node = np.arange(R) // 4
     across = (src >= 0) & (node[np.maximum(src, 0)] != node[:, None])
     remote = {(g, node[d]) for d in range(R) for g in GUESTS[d] if g >= 0 and (g // 2) // 4 != node[d]}
     assert across.sum() == len(remote) < sum(1 for d in range(R) for g in GUESTS[d] if g >= 0 and (g // 2) // 4 != node[d])
-    for got, want in zip(guest_fetch(GUESTS, np.asarray(PLACEMENT), 4, xp=np), (src, staged)):
-        np.testing.assert_array_equal(got, want)
+    for got, want in zip(guest_fetch(GUESTS, np.asarray(PLACEMENT), 4, xp=np), fetch):
+        np.testing.assert_array_equal(got, np.asarray(want))
 
 
-def test_a_home_hands_copies_past_its_share_to_peers_with_free_links():
-    """HOT: node 0 sends experts 0-3 across, two from each of ranks 0 and 1; a node's share is
-    ceil(4 / 4) = 1 per link, so each home sends its first over its own link and hands the second
-    to ranks 2 and 3, which send it across; node 1's other holders get theirs from its relay."""
-    src, staged = map(np.asarray, guest_fetch(jnp.asarray(HOT), PLACEMENT, 4))
-    assert src[4].tolist() == [0, 2, 1] and src[5].tolist() == [3, 4, -1] and src[6].tolist() == [4, 4, 5]
+def test_crossings_past_a_links_share_go_through_peers_at_both_ends():
+    """HOT: node 0 sends experts 0-3 across, two from each of ranks 0 and 1, and rank 4 is the
+    first holder of three of them. A node's share is ceil(4 / 4) = 1 per link, so at the sending
+    end each home sends its first over its own link and hands the second to ranks 2 and 3; at the
+    receiving end rank 4 takes expert 0 and ranks 6 and 7 receive experts 1 and 2 for it, passing
+    them on to their holders (rank 6 to itself too)."""
+    fetch = guest_fetch(jnp.asarray(HOT), PLACEMENT, 4)
+    src, staged, received, received_from = map(np.asarray, fetch)
+    assert src[4].tolist() == [0, 6, 7] and src[5].tolist() == [3, 4, -1] and src[6].tolist() == [6, 7, 5]
     assert staged[2].tolist() == [1, -1, -1] and staged[3].tolist() == [3, -1, -1]
     assert (staged[[0, 1, 4, 5, 6, 7]] == -1).all()
-    node = np.arange(R) // 4
-    across = (src >= 0) & (node[np.maximum(src, 0)] != node[:, None])
-    senders = src[across]
-    assert np.bincount(senders[senders < 4], minlength=4).tolist() == [1, 1, 1, 1]
-    for got, want in zip(guest_fetch(HOT, np.asarray(PLACEMENT), 4, xp=np), (src, staged)):
-        np.testing.assert_array_equal(got, want)
+    assert received[6].tolist() == [1, -1, -1] and received_from[6].tolist() == [2, -1, -1]
+    assert received[7].tolist() == [2, -1, -1] and received_from[7].tolist() == [1, -1, -1]
+    assert (received[:6] == -1).all()
+    into_node_1 = np.concatenate([src[4:][(src[4:] >= 0) & (src[4:] < 4)], received_from[4:][received[4:] >= 0]])
+    assert np.bincount(into_node_1, minlength=4).tolist() == [1, 1, 1, 1]  # one per sending link
+    for got, want in zip(guest_fetch(HOT, np.asarray(PLACEMENT), 4, xp=np), fetch):
+        np.testing.assert_array_equal(got, np.asarray(want))
 
 
 def test_kept_slots_are_the_experts_the_rank_still_holds():
@@ -144,9 +150,10 @@ def test_slices_must_divide_the_hidden_width():
 
 
 def test_fan_out_on_random_placements_sends_each_copy_across_once_spread_over_links():
-    """Any placement, any guests, any held subset: every (expert, node) that needs a copy gets one
-    across, from a rank of its home's node; a rank sends more than its node's share across only when
-    every peer below the share has its K staging rows full; numpy and jnp agree."""
+    """Any placement, any guests, any held subset: every (expert, node) that needs a copy gets it
+    across once, sent from a rank of its home's node and received by a rank of the holders' node,
+    which passes it on to every holder there; at either end a link carries more than its node's
+    share only when every link below the share has its K rows full; numpy and jnp agree."""
     rng = np.random.default_rng(0)
     for trial in range(60):
         gpus, nodes = int(rng.choice([2, 4])), int(rng.integers(2, 5))
@@ -162,28 +169,40 @@ def test_fan_out_on_random_placements_sends_each_copy_across_once_spread_over_li
             chosen = list(dict.fromkeys(rng.choice(pool, slots)))
             guests[d, :len(chosen)] = chosen
         sent = (rng.random((ranks, slots)) < 0.9) & (guests >= 0)
-        src, staged = guest_fetch(guests, placement, gpus, sent, xp=np)
+        fetch = guest_fetch(guests, placement, gpus, sent, xp=np)
         for got, want in zip(guest_fetch(jnp.asarray(guests), jnp.asarray(placement), gpus, jnp.asarray(sent)),
-                             (src, staged)):
+                             fetch):
             np.testing.assert_array_equal(np.asarray(got), want)
+        src, staged, received, received_from = fetch
         assert ((src >= 0) == sent).all()
         node = np.arange(ranks) // gpus
+        # Each crossing: (expert, node it goes to) -> (sending rank, receiving rank).
         crossings = {}
         for d, i in zip(*np.nonzero(sent)):
             e, s = guests[d, i], src[d, i]
             if node[home_of[e]] == node[d]:
                 assert s == home_of[e]
-            elif node[s] != node[d]:
-                assert node[s] == node[home_of[e]] and (e, node[d]) not in crossings
-                assert s == home_of[e] or e in staged[s]
-                crossings[(e, node[d])] = s
-            else:
-                assert e in guests[s] and s != d
+            elif node[s] != node[d]:  # this slot receives the crossing itself
+                assert (e, node[d]) not in crossings
+                crossings[(e, node[d])] = (s, d)
+        for t, r in zip(*np.nonzero(received >= 0)):
+            e = received[t, r]
+            assert (e, node[t]) not in crossings
+            crossings[(e, node[t])] = (received_from[t, r], t)
         assert set(crossings) == {(guests[d, i], node[d]) for d, i in zip(*np.nonzero(sent))
                                   if node[home_of[guests[d, i]]] != node[d]}
-        assert (staged >= 0).sum() == sum(s != home_of[e] for (e, _), s in crossings.items())
-        sends = np.bincount(list(crossings.values()), minlength=ranks).reshape(nodes, gpus)
-        share = -(-sends.sum(1, keepdims=True) // gpus)
-        full = (staged >= 0).sum(1).reshape(nodes, gpus) == slots
-        over = (sends > share).any(1)
-        assert (~over | ((sends >= share) | full).all(1)).all(), trial
+        for (e, n), (s, t) in crossings.items():
+            assert node[s] == node[home_of[e]] and node[t] == n
+            assert s == home_of[e] or e in staged[s]
+        assert (staged >= 0).sum() == sum(s != home_of[e] for (e, _), (s, _) in crossings.items())
+        # Every other holder takes it from the crossing's receiver, on its own node.
+        for d, i in zip(*np.nonzero(sent)):
+            e = guests[d, i]
+            if node[home_of[e]] != node[d] and node[src[d, i]] == node[d]:
+                assert src[d, i] == crossings[(e, node[d])][1]
+        for end, rows in ((0, staged), (1, received)):
+            links = np.bincount([c[end] for c in crossings.values()], minlength=ranks).reshape(nodes, gpus)
+            share = -(-links.sum(1, keepdims=True) // gpus)
+            full = (rows >= 0).sum(1).reshape(nodes, gpus) == slots
+            over = (links > share).any(1)
+            assert (~over | ((links >= share) | full).all(1)).all(), (trial, end)
