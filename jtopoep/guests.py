@@ -4,15 +4,16 @@ Called inside shard_map over ("node", "gpu"), from jtopoep.dispatch.
 
     guests  = plan.slot_expert[:, H:]           i[R, K]  every rank's guest experts (-1 empty)
     fetch   : each expert goes once to every other node holding copies of it (to the node's first
-              holder, the relay), and directly to the holders on its own node; a node's crossings
-              are spread over its scale-out links, a home handing the ones past its share to peers
-              over NVLink; each relay passes its copy on to the other holders of its node over
-              NVLink (plan.guest_fetch; three exchanges, transport.exchange)
+              holder, the relay), and directly to the holders on its own node; crossings are spread
+              over the scale-out links at both ends, a home handing the ones past its node's share
+              to peers over NVLink, a first holder leaving the ones past its share to peers that
+              receive them; each relay passes its copy on to the holders of its node over NVLink
+              (plan.guest_fetch; three exchanges, transport.exchange)
     backward: the transpose: each node's guest gradients are summed at its relay, which sends one
               sum back, through the peer that sent the copy where one did, to the home expert
 
 A hot expert with copies on many ranks thus costs the scale-out links one transfer per node, not one
-per copy, and those transfers leave from several of its node's links, not all from its home's.
+per copy, and those transfers leave from, and land on, several links of each node, not one.
 
 Keeping copies across micro-batches. With gradient accumulation the weights do not change between
 the micro-batches of one optimizer step, so a copy a rank already holds from the previous micro-batch

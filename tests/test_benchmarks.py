@@ -1,5 +1,7 @@
 """The benchmark scripts' building blocks run and produce sane numbers (small cases, no timing)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,8 +88,10 @@ def test_projection_with_kept_copies_saves_only_weight_transfers():
     """The same micro-batch twice in one step. eplb ignores what ranks hold, so it plans the same
     copies again, every one is held already and ships no weights: only its weights term falls.
     topoep and taot may move a copy to a rank that holds it, so their plans can differ a little, but
-    their weights term falls too."""
+    their weights term falls too. A quarter of the scale-out bandwidth, so that every planner's
+    transfers show (at full bandwidth the spread fetch hides topoep's and taot's here entirely)."""
     topology = Topology.preset("h800-4x8")
+    topology = dataclasses.replace(topology, inter_bw=topology.inter_bw / 4)
     mats = cluster.model_traces("deepseek-v2-lite", 32, 1, None)[:, :3]
     mats = np.concatenate([mats, mats])
     fetched = cluster.project("deepseek-v2-lite", topology, 2, {}, mats, window=8, min_gain=0.0)
