@@ -94,9 +94,10 @@ def _fetch(weights: ExpertWeights, guests, placement, me, skip, move) -> ExpertW
     """[K, ...] weights of this rank's guest slots, fanned out from the experts' home ranks
     (plan.guest_fetch), in three exchanges: each home hands the copies a peer sends across for it to
     that peer (NVLink); then homes and those peers send to the holders on their own node and to one
-    relay on every other node holding the expert; then each relay passes its copy on to the other
-    holders of its node (NVLink). Slots that are empty or `skip`ped [R, K] get zeros and nothing is
-    sent for them. Linear in `weights`, so its transpose returns the gradients up the same tree."""
+    receiver on every other node holding the expert (its first holder, or a peer receiving for it);
+    then each receiver passes its copy on to the other holders of its node (NVLink). Slots that are
+    empty or `skip`ped [R, K] get zeros and nothing is sent for them. Linear in `weights`, so its
+    transpose returns the gradients up the same tree."""
     gpus_per_node = move[0]
     num_ranks, home = placement.shape
     num_guests = guests.shape[1]
