@@ -71,13 +71,15 @@ def main(argv=None) -> list[dict]:
                 moe = MoEConfig(planner=planner, transport="dense", recv_capacity_factor=factor)
                 layer = nnx.eval_shape(lambda: MoELayer(model.d_model, experts, model.top_k, model.expert_hidden,
                                                         moe, topology, mesh, dtype=dtype, rngs=nnx.Rngs(0)))
-                graphdef, state = nnx.split(layer)
+                # Gradients of the parameters only, as the trainer takes them: the layer's other
+                # state (its placement, load statistics) holds integers.
+                graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
-                def loss(state, x):
-                    y, stats = nnx.merge(graphdef, state)(x)
+                def loss(params, rest, x):
+                    y, stats = nnx.merge(graphdef, params, rest)(x)
                     return (y.astype(jnp.float32) ** 2).mean() + stats["aux_loss"]
 
-                memory = jax.jit(jax.value_and_grad(loss)).lower(state, x).compile().memory_analysis()
+                memory = jax.jit(jax.value_and_grad(loss)).lower(params, rest, x).compile().memory_analysis()
                 receive = layer.recv_rows(TOKENS)
                 # The relay's stage-1 receive buffer (jtopoep.relay: at most N x T rows).
                 relay = min(receive, topology.num_nodes * TOKENS) if topology.num_nodes > 1 else 0
