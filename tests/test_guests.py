@@ -23,7 +23,8 @@ GUESTS = np.array([[5, 9, -1], [0, 14, 7], [1, 12, 6], [9, -1, -1],
 HELD = np.array([[9, 5, -1], [6, 14, 3], [-1, -1, -1], [9, 10, 11],
                  [3, 2, 15], [4, 8, 10], [13, 8, 0], [11, 4, 2]], np.int32)
 # Node 1 wants the experts of ranks 0 and 1 (0-3): node 0 sends 4 copies across, one per link, so
-# ranks 0 and 1 each hand one to a peer (ranks 2 and 3) over NVLink.
+# ranks 0 and 1 each hand one to a peer (ranks 2 and 3) over NVLink; rank 4, first holder of three,
+# receives one and ranks 6 and 7 receive the other two for it.
 HOT = np.array([[9, -1, -1], [12, -1, -1], [-1, -1, -1], [-1, -1, -1],
                 [0, 1, 2], [3, 0, -1], [1, 2, 3], [-1, 8, 0]], np.int32)
 

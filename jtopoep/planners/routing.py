@@ -82,8 +82,8 @@ def route_lines(counts: Int[ArrayLike, "R E"], slot_expert: Int[ArrayLike, "R S"
     slot_hi = (before * quota.reshape(nodes, 1, -1)).sum(2).reshape(-1)  # [N, G S, G S] -> [R S]
     slot_lo = slot_hi - quota
     # The node's kept pairs of an expert are shared over its slots of that expert in proportion to
-    # their quotas: given in rank order, the first slot (often the home) took them all and a copy
-    # beside it was fed from other nodes alone, which set the busiest scale-out receive.
+    # their quotas: in rank order the first slot (often the home) would take them all, and a copy
+    # beside it, fed from other nodes alone, would set the busiest scale-out receive.
     slot_kept, slot_room = kept[slot_node, expert], room[slot_node, expert]
     take = proportional_floor(slot_kept[None], xp.stack([slot_lo, slot_hi]), slot_room[None], xp)
     take_lo, take_hi = take[0], take[1]
