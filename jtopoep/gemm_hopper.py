@@ -66,18 +66,35 @@ def _forward(x, weights, group_sizes):
     return hopper_grouped_matmul(x, weights, group_sizes), (x, weights, group_sizes.astype(jnp.int32))
 
 
-def _backward(residuals, grad):
+def _weight_gradient(x, grad, group_sizes):
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
 
+    return transposed_ragged_dot_mgpu.transposed_ragged_dot(x, grad, group_sizes=group_sizes, block_m=TILE,
+                                                            block_n=TILE, block_k=DEPTH,
+                                                            max_concurrent_steps=STAGES, grid_block_n=1)
+
+
+def _backward(residuals, grad):
     x, weights, group_sizes = residuals
     used = _rows_used(group_sizes, x.shape[0])
     grad = jnp.where(used, grad, 0).astype(x.dtype)
     grad_x = _ragged_dot(grad, weights, group_sizes, transpose_rhs=True)
     # The kernel masks neighbouring groups' rows by multiplying: rows past the groups must be finite.
-    grad_w = transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        jnp.where(used, x, 0), grad, group_sizes=group_sizes, block_m=TILE, block_n=TILE, block_k=DEPTH,
-        max_concurrent_steps=STAGES, grid_block_n=1)
-    return grad_x, grad_w.astype(weights.dtype), None
+    grad_w = _weight_gradient(jnp.where(used, x, 0), grad, group_sizes)
+    return _varying_like(grad_x, x), _varying_like(grad_w.astype(weights.dtype), weights), None
+
+
+def _varying_like(value: jax.Array, reference: jax.Array) -> jax.Array:
+    # Inside shard_map a cotangent must vary over the same mesh axes as its primal; the kernels'
+    # outputs carry none, so mark them varying where the primal is.
+    missing = tuple(sorted(_varying_axes(reference) - _varying_axes(value)))
+    return jax.lax.pcast(value, missing, to="varying") if missing else value
+
+
+def _varying_axes(value: jax.Array) -> frozenset:
+    aval = jax.typeof(value)
+    mat = getattr(aval, "mat", None)  # the manual-axis type since JAX 0.10; `vma` before
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
 hopper_grouped_matmul.defvjp(_forward, _backward)
