@@ -1,113 +1,204 @@
 """Device memory of one MoE layer at a real model's shape, without running it:
-python -m benchmarks.memory [--models deepseek-v3 qwen1.5-moe] [--topology h800-4x8]
+python -m benchmarks.memory [--target cpu|h100] [--models deepseek-v3 qwen1.5-moe] [--topology h800-4x8]
 
-Compiles the layer's forward and backward (jitted, sharded over the emulated mesh, bfloat16 as the
-GPU presets compute, the hierarchical dispatch that is the default on several nodes) for each model,
-planner and receive-buffer size, and reads XLA's memory analysis per device: arguments, outputs and
-temporaries. moe.recv_capacity_factor f gives every rank's receive buffer, and every relay's two
-buffers, f x T x k rows; 0 room for every pair of every source. T = 4096 tokens per GPU. Experts are
-padded to a multiple of the ranks (Qwen1.5-MoE: 60 -> 64) as a deployment would.
+Compiles the layer's forward and backward (jitted, sharded over the mesh, bfloat16 as the GPU presets
+compute, the hierarchical dispatch that is the default on several nodes) for each model, planner,
+grouped GEMM and receive-buffer size, and reads XLA's memory analysis per device: arguments, outputs
+and temporaries. moe.recv_capacity_factor f gives every rank's receive buffer, and every relay's two
+buffers, f x T x k rows. T = 4096 tokens per GPU. Experts are padded to a multiple of the ranks
+(Qwen1.5-MoE: 60 -> 64) as a deployment would.
 
-Compiled for XLA:CPU, which cannot compile the `ragged` transport, so with the exact `dense`
-emulation (each exchange pads what it sends every peer to the most one peer can receive) and XLA:CPU's
-expansion of ragged_dot into a dense dot over every group: read the temporaries as what the buffers
-drive, compared across planners at one factor, not as a GPU measurement. The receive-buffer column is
-the ragged path's receive buffers (the rank's receive rows, and its stage-1 rows as a relay) x D x
-bytes, beside the issue's bound of 2 x T x k x D x bytes.
-Writes benchmarks/results/memory.json and memory.md.
+--target h100 (the default where JAX's CUDA plugin is installed: `pip install
+"jax-cuda12-plugin[with-cuda]==$(python -c 'import jax; print(jax.__version__)')"`) compiles for H100
+GPUs without one: XLA:GPU with a described device (benchmarks/gpu_specs/h100_sxm.txtpb; an H800 is
+the same die), the `ragged` transport and moe.gemm xla and pallas (the Mosaic GPU kernels; where
+expert_hidden / moe.guest_weight_chunks is not a multiple of 128, the largest chunk count that is).
+These are the buffers a GPU run allocates. Writes memory_h100.json and memory_h100.md.
+
+--target cpu compiles for XLA:CPU, which cannot compile the `ragged` transport, so with the exact
+`dense` emulation (each exchange pads what it sends every peer to the most one peer can receive) and
+XLA:CPU's expansion of ragged_dot into a dense dot over every group: compare planners at one factor,
+not with a GPU. Writes memory.json and memory.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
+import os
 import pathlib
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+GPU_SPEC = pathlib.Path(__file__).resolve().parent / "gpu_specs" / "h100_sxm.txtpb"
 FACTORS = (1.0, 1.25, 1.5)
 PLANNERS = ("none", "topoep")
 TOKENS = 4096
+HOPPER_TILE = 128
+
+
+def _cuda_plugin() -> bool:
+    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13)) \
+        if importlib.util.find_spec("jax_plugins") is not None else False
+
+
+def _gpu_devices(num_nodes: int, gpus_per_node: int) -> list:
+    """The described H100s of a (num_nodes x gpus_per_node) cluster, for compiling without them."""
+    from jax.experimental import topologies
+
+    return list(topologies.get_topology_desc(platform="cuda", topology_name="", target_config=GPU_SPEC.read_text(),
+                                             topology=f"1x{num_nodes}x{gpus_per_node}").devices)
+
+
+@contextlib.contextmanager
+def _answering_as(devices):
+    """JAX's device queries answer with the described GPUs while the layer is built and compiled, so
+    everything that asks which platform it runs on (the transport's and GEMM's `auto`, the Hopper
+    check, the Mosaic GPU kernel's SM count) chooses as on those GPUs."""
+    import jax
+
+    from jtopoep import gemm_hopper
+
+    saved = jax.default_backend, jax.devices
+    jax.default_backend, jax.devices = (lambda *_: "gpu"), (lambda *_, **__: list(devices))
+    gemm_hopper.hopper_available.cache_clear()
+    try:
+        yield
+    finally:
+        jax.default_backend, jax.devices = saved
+        gemm_hopper.hopper_available.cache_clear()
+
+
+def _hopper_chunks(expert_hidden: int, chunks: int) -> int:
+    """The largest chunk count at most `chunks` whose hidden slices fit the Hopper kernels' tiles."""
+    fits = [c for c in range(chunks, 0, -1) if expert_hidden % c == 0 and (expert_hidden // c) % HOPPER_TILE == 0]
+    if not fits:
+        raise ValueError(f"expert_hidden = {expert_hidden} is not a multiple of {HOPPER_TILE}: moe.gemm=pallas refuses it")
+    return fits[0]
 
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", choices=("cpu", "h100"), default=None,
+                        help="h100 where JAX's CUDA plugin is installed, else cpu")
     parser.add_argument("--models", nargs="+", default=["deepseek-v3", "qwen1.5-moe"])
     parser.add_argument("--topology", default="h800-4x8")
     parser.add_argument("--planners", nargs="+", default=list(PLANNERS))
     parser.add_argument("--factors", type=float, nargs="+", default=list(FACTORS))
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
+    target = args.target or ("h100" if _cuda_plugin() else "cpu")
+    if target == "h100":
+        if not _cuda_plugin():
+            parser.error('--target h100 needs JAX\'s CUDA plugin: pip install "jax-cuda12-plugin[with-cuda]==<jax version>"')
+        # Compile only: the plugin must load without a GPU here, and JAX must not start a CUDA client.
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+        os.environ["JAX_PLATFORMS"] = "cpu"
     import yaml
 
     from jtopoep import xla_cpu
-    from jtopoep.config import CONFIG_DIR, ModelConfig, TopologyConfig, section_from_dict
+    from jtopoep.config import CONFIG_DIR, ModelConfig, MoEConfig, TopologyConfig, section_from_dict
 
     topo_cfg = section_from_dict("topology", TopologyConfig,
                                  yaml.safe_load((CONFIG_DIR / "topologies" / f"{args.topology}.yaml").read_text()))
-    xla_cpu.configure()
-    xla_cpu.emulate_cpu_devices(topo_cfg.num_devices)
+    if target == "cpu":
+        xla_cpu.configure()
+        xla_cpu.emulate_cpu_devices(topo_cfg.num_devices)
 
+    import jax
+    import jax.numpy as jnp
+
+    from jtopoep.topology import make_mesh
+
+    topology = topo_cfg.to_topology()
+    if target == "h100":
+        devices = _gpu_devices(topology.num_nodes, topology.gpus_per_node)
+        on_target, transport, gemms = _answering_as(devices), "ragged", ("xla", "pallas")
+    else:
+        devices, on_target, transport, gemms = None, contextlib.nullcontext(), "dense", ("xla",)
+    mesh = make_mesh(topology, devices=devices)
+    ranks = topology.num_ranks
+    rows = []
+    with on_target:
+        for name in args.models:
+            model = section_from_dict("model", ModelConfig,
+                                      yaml.safe_load((CONFIG_DIR / "models" / f"{name}.yaml").read_text()))
+            experts = -(-model.num_experts // ranks) * ranks
+            dtype = jnp.dtype(model.dtype)
+            x = jax.ShapeDtypeStruct((ranks, TOKENS, model.d_model), dtype, sharding=jax.sharding.NamedSharding(
+                mesh, jax.sharding.PartitionSpec(("node", "gpu"))))
+            for gemm in gemms:
+                chunks = MoEConfig.guest_weight_chunks
+                if gemm == "pallas":
+                    chunks = _hopper_chunks(model.expert_hidden, chunks)
+                for planner in args.planners:
+                    for factor in args.factors:
+                        moe = MoEConfig(planner=planner, transport=transport, recv_capacity_factor=factor, gemm=gemm,
+                                        guest_weight_chunks=chunks)
+                        row = _measure(model, experts, dtype, moe, topology, mesh, x)
+                        row.update(model=name, experts=experts, planner=planner, factor=factor, gemm=gemm,
+                                   chunks=chunks, target=target)
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+    for row in rows:
+        base = [r for r in rows if r["model"] == row["model"] and r["factor"] == row["factor"]
+                and r["gemm"] == row["gemm"] and r["planner"] == "none"]
+        row["temp_vs_none"] = row["temp_gb"] / base[0]["temp_gb"] if base else None
+    _write(args.out, target, args.topology, rows)
+    return rows
+
+
+def _measure(model, experts, dtype, moe, topology, mesh, x) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from jtopoep.config import MoEConfig
     from jtopoep.layer import MoELayer
-    from jtopoep.topology import make_mesh
 
-    topology = topo_cfg.to_topology()
-    mesh = make_mesh(topology)
-    ranks = topology.num_ranks
-    rows = []
-    for name in args.models:
-        model = section_from_dict("model", ModelConfig,
-                                  yaml.safe_load((CONFIG_DIR / "models" / f"{name}.yaml").read_text()))
-        experts = -(-model.num_experts // ranks) * ranks
-        dtype = jnp.dtype(model.dtype)
-        x = jax.ShapeDtypeStruct((ranks, TOKENS, model.d_model), dtype,
-                                 sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("node", "gpu"))))
-        for planner in args.planners:
-            for factor in args.factors:
-                moe = MoEConfig(planner=planner, transport="dense", recv_capacity_factor=factor)
-                layer = nnx.eval_shape(lambda: MoELayer(model.d_model, experts, model.top_k, model.expert_hidden,
-                                                        moe, topology, mesh, dtype=dtype, rngs=nnx.Rngs(0)))
-                # Gradients of the parameters only, as the trainer takes them: the layer's other
-                # state (its placement, load statistics) holds integers.
-                graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+    layer = nnx.eval_shape(lambda: MoELayer(model.d_model, experts, model.top_k, model.expert_hidden, moe, topology,
+                                            mesh, dtype=dtype, rngs=nnx.Rngs(0)))
+    # Gradients of the parameters only, as the trainer takes them: the layer's other state (its
+    # placement, load statistics) holds integers.
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
 
-                def loss(params, rest, x):
-                    y, stats = nnx.merge(graphdef, params, rest)(x)
-                    return (y.astype(jnp.float32) ** 2).mean() + stats["aux_loss"]
+    def loss(params, rest, x):
+        y, stats = nnx.merge(graphdef, params, rest)(x)
+        return (y.astype(jnp.float32) ** 2).mean() + stats["aux_loss"]
 
-                memory = jax.jit(jax.value_and_grad(loss)).lower(params, rest, x).compile().memory_analysis()
-                receive = layer.recv_rows(TOKENS)
-                # The relay's stage-1 receive buffer (jtopoep.relay: at most N x T rows).
-                relay = min(receive, topology.num_nodes * TOKENS) if topology.num_nodes > 1 else 0
-                row = {"model": name, "experts": experts, "planner": planner, "factor": factor, "receive_rows": receive,
-                       "buffers_gb": (receive + relay) * model.d_model * dtype.itemsize / 1e9,
-                       "bound_gb": 2 * TOKENS * model.top_k * model.d_model * dtype.itemsize / 1e9,
-                       "argument_gb": memory.argument_size_in_bytes / 1e9, "output_gb": memory.output_size_in_bytes / 1e9,
-                       "temp_gb": memory.temp_size_in_bytes / 1e9}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    for row in rows:
-        base = next(r for r in rows if r["model"] == row["model"] and r["factor"] == row["factor"]
-                    and r["planner"] == "none") if "none" in args.planners else None
-        row["temp_vs_none"] = row["temp_gb"] / base["temp_gb"] if base else None
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "memory.json").write_text(json.dumps({"topology": args.topology, "tokens": TOKENS, "rows": rows},
-                                                     indent=1))
-    lines = [f"One MoE layer on {args.topology}, {TOKENS} tokens per GPU, forward and backward, bfloat16, hierarchical "
-             f"dispatch: XLA's memory analysis per device of the compiled program (XLA:CPU with the dense exchange "
-             f"emulation; compare planners at one factor, not a GPU measurement). `python -m benchmarks.memory`", "",
-             "| model | planner | moe.recv_capacity_factor | receive rows | receive buffers GB | 2 T k D bytes GB | "
-             "arguments GB | temporaries GB | temporaries / none's |", "|---|---|---|---|---|---|---|---|---|"]
+    memory = jax.jit(jax.value_and_grad(loss)).lower(params, rest, x).compile().memory_analysis()
+    receive = layer.recv_rows(TOKENS)
+    # The relay's stage-1 receive buffer (jtopoep.relay: at most N x T rows).
+    relay = min(receive, topology.num_nodes * TOKENS) if topology.num_nodes > 1 else 0
+    return {"receive_rows": receive,
+            "buffers_gb": (receive + relay) * model.d_model * dtype.itemsize / 1e9,
+            "bound_gb": 2 * TOKENS * model.top_k * model.d_model * dtype.itemsize / 1e9,
+            "argument_gb": memory.argument_size_in_bytes / 1e9, "output_gb": memory.output_size_in_bytes / 1e9,
+            "temp_gb": memory.temp_size_in_bytes / 1e9}
+
+
+def _write(out: pathlib.Path, target: str, topology: str, rows: list[dict]) -> None:
+    stem = "memory" if target == "cpu" else f"memory_{target}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps({"target": target, "topology": topology, "tokens": TOKENS,
+                                                  "rows": rows}, indent=1))
+    if target == "cpu":
+        how = ("XLA:CPU with the dense exchange emulation; compare planners at one factor, not a GPU measurement. "
+               "`python -m benchmarks.memory --target cpu`")
+    else:
+        how = ("XLA:GPU compiling for H100s without one (benchmarks/gpu_specs/h100_sxm.txtpb), ragged transport. "
+               "`python -m benchmarks.memory --target h100`")
+    lines = [f"One MoE layer on {topology}, {TOKENS} tokens per GPU, forward and backward, bfloat16, hierarchical "
+             f"dispatch: XLA's memory analysis per device of the compiled program ({how})", "",
+             "| model | planner | moe.gemm | moe.guest_weight_chunks | moe.recv_capacity_factor | receive rows | "
+             "receive buffers GB | 2 T k D bytes GB | arguments GB | temporaries GB | temporaries / none's |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         versus = "" if r["temp_vs_none"] is None else f"{r['temp_vs_none']:.2f}"
-        lines.append(f"| {r['model']} (E {r['experts']}) | {r['planner']} | {r['factor']:g} | {r['receive_rows']:,} | "
-                     f"{r['buffers_gb']:.2f} | {r['bound_gb']:.2f} | {r['argument_gb']:.2f} | {r['temp_gb']:.2f} | {versus} |")
-    (args.out / "memory.md").write_text("\n".join(lines) + "\n")
-    return rows
+        lines.append(f"| {r['model']} (E {r['experts']}) | {r['planner']} | {r['gemm']} | {r['chunks']} | "
+                     f"{r['factor']:g} | {r['receive_rows']:,} | {r['buffers_gb']:.2f} | {r['bound_gb']:.2f} | "
+                     f"{r['argument_gb']:.2f} | {r['temp_gb']:.2f} | {versus} |")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -48,8 +48,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jtopoep.gemm import grouped_matmul
-from jtopoep.guests import ExpertWeights, GuestCopies, fetch_guest_weights, join_hidden
+from jtopoep.gemm import grouped_matmul, sweeps_whole_buffer
+from jtopoep.guests import ExpertWeights, GuestCopies, fetch_guest_weights, hidden_slice, join_hidden
 from jtopoep.ordering import inverse_permutation, stable_order
 from jtopoep.planners.base import PlannerBase, home_quotas
 from jtopoep.planners.none import NonePlanner
@@ -123,7 +123,7 @@ def _swiglu_slots(x, weights: ExpertWeights, group_sizes, gemm: str):
 
 def expert_ffn(x: Float[Array, "rows D"], home_weights: ExpertWeights,
                guest_slices: tuple[ExpertWeights, ...] | None, group_sizes: Int[Array, " S"],
-               gemm: str = "xla") -> Float[Array, "rows D"]:
+               gemm: str = "xla", single_pass: bool | None = None) -> Float[Array, "rows D"]:
     """SwiGLU of each row with its slot's expert; rows in slot order, group_sizes[j] rows for slot j
     (the H home slots, then the K guest slots); rows past the groups come out as zeros. gemm: the
     grouped GEMM (jtopoep.gemm).
@@ -136,7 +136,23 @@ def expert_ffn(x: Float[Array, "rows D"], home_weights: ExpertWeights,
     home weight gradients are done. Likewise each guest slice is its own grouped GEMM, and their
     outputs add up (SwiGLU sums over hidden units): slice c waits only for its own transfer. The guest
     rows are rotated to the front of the buffer and back (a permutation, so its transpose adds nothing
-    twice)."""
+    twice).
+
+    single_pass (default: whether the GEMM's cost follows the buffer's rows, jtopoep.gemm): one GEMM
+    per hidden slice over every slot, home and guest weights side by side, so the buffer is swept
+    once, not once by the home GEMM and again by the guest GEMM. Slice c then waits for guest slice
+    c; the slices after the first still overlap with the transfers of the next."""
+    if single_pass is None:
+        single_pass = sweeps_whole_buffer(gemm)
+    if single_pass and guest_slices is not None:
+        chunks, out = len(guest_slices), None
+        for c, part in enumerate(guest_slices):
+            with jax.named_scope(f"slice{c}"):
+                home = hidden_slice(home_weights, c, chunks)
+                joined = ExpertWeights(*(jnp.concatenate([h, g]) for h, g in zip(home, part)))
+                y = _swiglu_slots(x, joined, group_sizes, gemm)
+            out = y if out is None else out + y
+        return out
     rows = x.shape[0]
     home = home_weights.gate.shape[0]
     row = jnp.arange(rows)[:, None]

@@ -6,8 +6,10 @@ Implementations (moe.gemm):
   groups x buffer rows (`benchmarks/gpu_check.sh` records whether the installed XLA:GPU does).
 - "pallas": a Pallas grouped-GEMM kernel with its own backward. On TPU the megablox grouped matmul
   (`jax.experimental.pallas.ops.tpu.megablox`), tiling the rows in use; on Hopper GPUs the Mosaic
-  GPU ragged dot (`jtopoep.gemm_hopper`), one pass over the buffer instead of one per group; on
-  other GPUs it is refused; on CPU megablox runs in Pallas's interpret mode, for tests, not speed.
+  GPU ragged dot (`jtopoep.gemm_hopper`), one pass over the buffer instead of one per group (every
+  call sweeps the whole buffer, so the layer makes one call per hidden slice over home and guest
+  slots together: dispatch.expert_ffn); on other GPUs it is refused; on CPU megablox runs in
+  Pallas's interpret mode, for tests, not speed.
 - "auto": "pallas" on TPU, "xla" elsewhere.
 """
 
@@ -27,6 +29,13 @@ def resolve_gemm(gemm: str) -> str:
     if gemm == "auto":
         return "pallas" if jax.default_backend() == "tpu" else "xla"
     return gemm
+
+
+def sweeps_whole_buffer(gemm: str) -> bool:
+    """Whether one call costs the whole buffer's rows whatever its groups hold: the Hopper kernels
+    tile every row (jtopoep.gemm_hopper); ragged_dot's dense expansion costs its groups x rows, and
+    megablox tiles the rows in use."""
+    return resolve_gemm(gemm) == "pallas" and jax.default_backend() == "gpu"
 
 
 def grouped_matmul(x: Float[Array, "M K"], weights: Float[Array, "G K N"], group_sizes: Int[Array, " G"],

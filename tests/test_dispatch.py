@@ -310,10 +310,10 @@ def split(w):
     return (ExpertWeights(*(a[:FFN_HOME] for a in w)), ExpertWeights(*(a[FFN_HOME:] for a in w)))
 
 
-def ffn_loss(x, w, chunks=1, gemm="xla"):
+def ffn_loss(x, w, chunks=1, gemm="xla", single_pass=False):
     home, guest = split(w)
     y = expert_ffn(x, home, tuple(hidden_slice(guest, c, chunks) for c in range(chunks)), jnp.asarray(FFN_SIZES),
-                   gemm)
+                   gemm, single_pass)
     return (jnp.sin(y) * y).sum(), y
 
 
@@ -325,11 +325,13 @@ def ffn_reference_loss(x, w):
 
 
 # F = 7 slices: the guest GEMM one hidden unit at a time; "pallas": megablox, in interpret mode here.
-@pytest.mark.parametrize("chunks,gemm", [(1, "xla"), (F, "xla"), (1, "pallas")])
-def test_expert_ffn_matches_per_row_reference_with_gradients(chunks, gemm):
+# single_pass: one GEMM per slice over home and guest slots together (as with the Hopper kernels).
+@pytest.mark.parametrize("chunks,gemm,single_pass", [(1, "xla", False), (F, "xla", False), (1, "pallas", False),
+                                                     (1, "xla", True), (F, "xla", True)])
+def test_expert_ffn_matches_per_row_reference_with_gradients(chunks, gemm, single_pass):
     x, w = ffn_inputs()
-    (got, y), grads = jax.value_and_grad(functools.partial(ffn_loss, chunks=chunks, gemm=gemm), argnums=(0, 1),
-                                         has_aux=True)(x, w)
+    (got, y), grads = jax.value_and_grad(functools.partial(ffn_loss, chunks=chunks, gemm=gemm, single_pass=single_pass),
+                                         argnums=(0, 1), has_aux=True)(x, w)
     (want, y_ref), ref_grads = jax.value_and_grad(ffn_reference_loss, argnums=(0, 1), has_aux=True)(x, w)
     np.testing.assert_allclose(y, y_ref, atol=ATOL)
     assert not np.asarray(y)[FFN_SIZES.sum():].any()  # rows past the groups are exactly zero
@@ -366,6 +368,26 @@ def test_home_gemms_do_not_wait_for_guest_weights_nor_a_slice_for_the_next():
     uses = [(any(isinstance(v, Var) and v in first for v in e.invars),
              any(isinstance(v, Var) and v in second for v in e.invars)) for e in gemms]
     assert uses == [(False, False)] * 3 + [(True, False)] * 3 + [(False, True)] * 3, uses
+
+
+def test_single_pass_sweeps_the_buffer_once_per_slice_over_every_slot():
+    """single_pass: three GEMMs per slice, each over all H + K slots, slice c waiting only for guest
+    slice c: each buffer row goes through the GEMMs once, not once for home and again for guest slots."""
+    x, w = ffn_inputs()
+    home, guest = split(w)
+    slices = tuple(hidden_slice(guest, c, F) for c in range(F))
+
+    def fn(x, home, *slices):
+        return expert_ffn(x, home, slices, jnp.asarray(FFN_SIZES), single_pass=True)
+
+    jaxpr = jax.make_jaxpr(fn)(x, home, *slices).jaxpr
+    per = len(home)
+    gemms = [e for e in jaxpr.eqns if e.primitive.name == "ragged_dot_general"]
+    assert [e.invars[2].aval.shape[0] for e in gemms] == [FFN_SIZES.size] * 3 * F
+    for c in range(F):
+        mine = _depends_on(jaxpr, jaxpr.invars[1 + per * (c + 1):1 + per * (c + 2)])
+        uses = [any(isinstance(v, Var) and v in mine for v in e.invars) for e in gemms]
+        assert uses == [g // 3 == c for g in range(3 * F)], (c, uses)
 
 
 def test_layer_refuses_slices_that_do_not_divide_the_hidden_width(devices):
