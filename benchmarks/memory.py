@@ -44,8 +44,14 @@ def _cuda_plugin() -> bool:
 
 
 def _gpu_devices(num_nodes: int, gpus_per_node: int) -> list:
-    """The described H100s of a (num_nodes x gpus_per_node) cluster, for compiling without them."""
+    """The described H100s of a (num_nodes x gpus_per_node) cluster, for compiling without them.
+    Call before JAX starts a backend."""
+    import jax
     from jax.experimental import topologies
+
+    # Compile only: the plugin must load without a GPU here, and JAX must not start a CUDA client.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    jax.config.update("jax_platforms", "cpu")
 
     return list(topologies.get_topology_desc(platform="cuda", topology_name="", target_config=GPU_SPEC.read_text(),
                                              topology=f"1x{num_nodes}x{gpus_per_node}").devices)
@@ -92,9 +98,6 @@ def main(argv=None) -> list[dict]:
     if target == "h100":
         if not _cuda_plugin():
             parser.error('--target h100 needs JAX\'s CUDA plugin: pip install "jax-cuda12-plugin[with-cuda]==<jax version>"')
-        # Compile only: the plugin must load without a GPU here, and JAX must not start a CUDA client.
-        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-        os.environ["JAX_PLATFORMS"] = "cpu"
     import yaml
 
     from jtopoep import xla_cpu

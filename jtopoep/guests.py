@@ -204,6 +204,10 @@ def fetch_guest_weights(weights: ExpertWeights, guests: Int[Array, "R K"], place
     for c in range(chunks):
         with jax.named_scope(f"slice{c}"):
             part = hidden_slice(weights, c, chunks)
+            if out:
+                # Slices travel one after another (they share the links anyway), so XLA can reuse
+                # one slice's exchange buffers for the next: they are sized for the widest fan-out.
+                part, _ = jax.lax.optimization_barrier((part, out[-1]))
             if previous is None:
                 out.append(_fetch(part, guests, placement, me, guests < 0, move))
             else:
