@@ -9,6 +9,11 @@ but parameters, constants, tuples and bitcasts, and each loop's body times its t
 fuses differently from XLA:CPU, so the count is a proxy; `--calibrate FILE` fits
 latency = a + b x kernels to a gpu_check.json's planner latencies and projects each row with it.
 
+--target h100 counts the same way in the program XLA:GPU compiles for an H100 without one
+(benchmarks.memory's described device; needs JAX's CUDA plugin): XLA:GPU's own fusions, so the
+kernels a GPU launches, not a proxy. No latency line is fitted to those counts: the H200 timings
+were of programs counted by XLA:CPU. Writes kernels_h100.json and kernels_h100.md.
+
 For R = 8 ... 1024 (nodes of 8 GPUs), E = max(256, R), K = 2. Writes benchmarks/results/kernels.json
 and kernels.md.
 """
@@ -16,9 +21,11 @@ and kernels.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import re
+import time
 
 import jax
 import numpy as np
@@ -99,18 +106,27 @@ def kernel_count(hlo: str) -> int:
     return count(entry)
 
 
-def planner_kernels(name: str, num_ranks: int) -> int:
-    """The compiled planner's kernel count, its loops at the GPU's static trip count."""
+def planner_kernels(name: str, num_ranks: int, device=None) -> tuple[int, float]:
+    """The compiled planner's kernel count, its loops at the GPU's static trip count, and the seconds
+    XLA took to compile it (lowered already), for `device` (a described GPU, benchmarks.memory) or,
+    without one, for XLA:CPU."""
     topology = TopologyConfig(num_nodes=max(num_ranks // GPUS, 1), gpus_per_node=min(GPUS, num_ranks)).to_topology()
     num_experts = max(256, num_ranks)
-    sample = jax.numpy.asarray(loads("zipf-1.0", num_ranks, num_experts, 1)[0])
+    sample = loads("zipf-1.0", num_ranks, num_experts, 1)[0]
+    if device is None:
+        sample = jax.numpy.asarray(sample)
+    else:
+        sample = jax.ShapeDtypeStruct(sample.shape, jax.numpy.int32, sharding=jax.sharding.SingleDeviceSharding(device))
     saved = rounds.EARLY_EXIT_PLATFORMS
     rounds.EARLY_EXIT_PLATFORMS = ()  # compile the loop the GPU runs
     try:
-        hlo = jax.jit(in_layer(make(name, topology, num_experts, 2, 0.0))).lower(sample).compile().as_text()
+        lowered = jax.jit(in_layer(make(name, topology, num_experts, 2, 0.0))).lower(sample)
+        start = time.perf_counter()
+        hlo = lowered.compile().as_text()
+        seconds = time.perf_counter() - start
     finally:
         rounds.EARLY_EXIT_PLATFORMS = saved
-    return kernel_count(hlo)
+    return kernel_count(hlo), seconds
 
 
 def calibrate(gpu_check: pathlib.Path) -> dict | None:
@@ -133,22 +149,31 @@ def calibrate(gpu_check: pathlib.Path) -> dict | None:
             "fitted_us": {n: float(intercept + slope * counts[n]) for n in names}, "timed_kernels": counts}
 
 
-def markdown(table: dict, fit: dict | None) -> str:
+def markdown(table: dict, fit: dict | None, target: str = "cpu", compile_s: dict | None = None) -> str:
+    compiled = ("XLA:CPU-compiled program: `python -m benchmarks.kernels`" if target == "cpu" else
+                "program XLA:GPU compiles for an H100 (described, not present): `python -m benchmarks.kernels "
+                "--target h100`")
     lines = ["Kernels per planner call as the GPU runs it (loops at their static trip count), counted in the "
-             "XLA:CPU-compiled program: `python -m benchmarks.kernels`. E = max(256, R), K = 2, nodes of 8 GPUs.", ""]
+             f"{compiled}. E = max(256, R), K = 2, nodes of 8 GPUs.", ""]
     if fit:
         lines += [f"Projected GPU latency (not measured beyond R = 32): {fit['intercept_us']:.0f} us + "
                   f"{fit['us_per_kernel']:.2f} us x kernels, fitted to the {fit['device']} latencies at R = 32 "
                   f"({', '.join(f'{n} {v:.0f} us' for n, v in fit['measured_us'].items())}, at their kernel counts then: "
                   f"{', '.join(f'{n} {v}' for n, v in fit['timed_kernels'].items())}); it counts "
                   f"launches only, not the data each kernel moves, which grows with R.", ""]
+    if compile_s:
+        lines += ["Compile s: XLA:GPU compiling the lowered planner for the H100, on this machine's CPU, one run "
+                  "(a GPU host compiles the same program).", ""]
     columns = ["R"] + [f"{n} kernels" for n in PLANNERS]
     columns += [f"{n} projected ms" for n in PLANNERS if n != "none"] if fit else []
+    columns += [f"{n} compile s" for n in PLANNERS if n != "none"] if compile_s else []
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for ranks, row in table.items():
         cells = [str(row[n]) for n in PLANNERS]
         if fit:
             cells += [f"{(fit['intercept_us'] + fit['us_per_kernel'] * row[n]) / 1e3:.2f}" for n in PLANNERS if n != "none"]
+        if compile_s:
+            cells += [f"{compile_s[ranks][n]:.1f}" for n in PLANNERS if n != "none"]
         lines.append(f"| {ranks} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -158,18 +183,34 @@ def main(argv=None) -> dict:
     parser.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
     parser.add_argument("--calibrate", type=pathlib.Path, default=RESULTS / "gpu" / "gpu_check.json",
                         help="a gpu_check.json with planner latencies at R = 32 (none to skip)")
+    parser.add_argument("--target", choices=("cpu", "h100"), default="cpu",
+                        help="count in XLA:CPU's program (a proxy) or in XLA:GPU's for an H100 (needs JAX's CUDA plugin)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
-    table = {}
-    for ranks in args.ranks:
-        table[ranks] = {name: planner_kernels(name, ranks) for name in PLANNERS}
-        print(ranks, table[ranks], flush=True)
-    fit = calibrate(args.calibrate) if args.calibrate.exists() else None
-    result = {"kernels": {str(r): row for r, row in table.items()}, "gpu_fit": fit}
+    device, on_target = None, contextlib.nullcontext()
+    if args.target == "h100":
+        from benchmarks import memory
+
+        if not memory._cuda_plugin():
+            parser.error('--target h100 needs JAX\'s CUDA plugin: pip install "jax-cuda12-plugin[with-cuda]==<jax version>"')
+        (device,) = memory._gpu_devices(1, 1)
+        on_target = memory._answering_as([device])
+    table, compile_s = {}, {}
+    with on_target:
+        for ranks in args.ranks:
+            measured = {name: planner_kernels(name, ranks, device) for name in PLANNERS}
+            table[ranks] = {name: kernels for name, (kernels, _) in measured.items()}
+            compile_s[ranks] = {name: seconds for name, (_, seconds) in measured.items()}
+            print(ranks, table[ranks], compile_s[ranks], flush=True)
+    fit = calibrate(args.calibrate) if args.target == "cpu" and args.calibrate.exists() else None
+    result = {"target": args.target, "kernels": {str(r): row for r, row in table.items()},
+              "compile_s": {str(r): row for r, row in compile_s.items()}, "gpu_fit": fit}
+    stem = "kernels" if args.target == "cpu" else f"kernels_{args.target}"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "kernels.json").write_text(json.dumps(result, indent=1))
-    (args.out / "kernels.md").write_text(markdown(table, fit))
-    print(markdown(table, fit))
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    text = markdown(table, fit, args.target, compile_s if args.target != "cpu" else None)
+    (args.out / f"{stem}.md").write_text(text)
+    print(text)
     return result
 
 
