@@ -90,6 +90,21 @@ def _deliver(rows, pick, src, me, move, num_guests: int, max_sends: int):
     return jnp.where((my_src >= 0)[:, None], received[jnp.clip(position, 0, num_guests - 1)], 0)
 
 
+def fetch_send_rows(num_ranks: int, home: int, num_guests: int, gpus_per_node: int) -> tuple[int, int, int]:
+    """The most rows one rank sends in each of the fetch's three exchanges (its send buffers, each
+    a [rows, slice of whole experts] array), from plan.guest_fetch's rules:
+    1. a home hands crossings only to its G - 1 peers, at most K staging rows each, and never more
+       than its experts' crossings, H (N - 1);
+    2. a rank sends to at most G K slots of its node, plus crossings: a home past its node's share
+       receives no hand-offs, and one within it sends at most the share, so at most H (N - 1);
+    3. a receiver passes copies to at most the G K slots of its node."""
+    nodes, all_slots = num_ranks // gpus_per_node, num_ranks * num_guests
+    crossings = home * (nodes - 1)
+    return (min(all_slots, crossings, (gpus_per_node - 1) * num_guests),
+            min(all_slots, gpus_per_node * num_guests + crossings),
+            min(all_slots, gpus_per_node * num_guests))
+
+
 def _fetch(weights: ExpertWeights, guests, placement, me, skip, move) -> ExpertWeights:
     """[K, ...] weights of this rank's guest slots, fanned out from the experts' home ranks
     (plan.guest_fetch), in three exchanges: each home hands the copies a peer sends across for it to
@@ -101,21 +116,18 @@ def _fetch(weights: ExpertWeights, guests, placement, me, skip, move) -> ExpertW
     gpus_per_node = move[0]
     num_ranks, home = placement.shape
     num_guests = guests.shape[1]
-    num_nodes = num_ranks // gpus_per_node
     home_rank = home_rank_of_experts(placement)
     home_slot = first_argmax(placement[home_rank] == jnp.arange(placement.size)[:, None], axis=1)  # [E]
     sent = (guests >= 0) & ~skip
     src, staged, received, received_from = guest_fetch(guests, placement, gpus_per_node, sent)
     rows = jnp.concatenate([w.reshape(home, -1) for w in weights], axis=1)  # [H, 3*D*F]
+    hands, sends, relays = fetch_send_rows(num_ranks, home, num_guests, gpus_per_node)
     # Stage 1, over NVLink: the staging rows [K] of the peers that send copies across for a home.
-    # A home hands at most its experts' crossings beyond its own share: H (N - 1) rows.
-    hands = min(num_ranks * num_guests, home * (num_nodes - 1))
     staged_rows = _deliver(rows, home_slot[jnp.maximum(staged, 0)], jnp.where(staged >= 0, home_rank[staged], -1),
                            me, move, num_guests, hands) if hands else jnp.zeros((num_guests, rows.shape[1]), rows.dtype)
     # Stage 2: from a home (its own rows) or a peer sending for it (its staging rows), to slots of
     # the sender's node, and across to each crossing's receiver: a first holder's slot or a peer's
-    # receiving row. A rank sends to at most G K slots of its node, H (N - 1) receivers as a home
-    # and K as a peer.
+    # receiving row.
     expert = jnp.maximum(guests, 0)
     same_node = src // gpus_per_node == jnp.arange(num_ranks)[:, None] // gpus_per_node
     first_hop = sent & ((src == home_rank[expert]) | ~same_node)
@@ -124,7 +136,6 @@ def _fetch(weights: ExpertWeights, guests, placement, me, skip, move) -> ExpertW
     target_home = home_rank[jnp.maximum(targets, 0)]
     pick = jnp.where(sources == target_home, home_slot[jnp.maximum(targets, 0)],
                      home + first_argmax(staged[sources.clip(0)] == targets[:, :, None], axis=2))
-    sends = min(num_ranks * num_guests, gpus_per_node * num_guests + home * (num_nodes - 1) + num_guests)
     got = _deliver(jnp.concatenate([rows, staged_rows]), pick, sources, me, move, 2 * num_guests, sends)
     # Stage 3, over NVLink: a relay sends the row holding the expert: its receiving row where it
     # received the crossing there, else its own guest slot.
@@ -134,8 +145,7 @@ def _fetch(weights: ExpertWeights, guests, placement, me, skip, move) -> ExpertW
                           first_argmax(guests[src.clip(0)] == guests[:, :, None], axis=2))
     mine = got[:num_guests]
     got = jnp.where(jax.lax.dynamic_index_in_dim(relayed, me, 0, keepdims=False)[:, None],
-                    _deliver(got, relay_row, jnp.where(relayed, src, -1), me, move, num_guests,
-                             min(num_ranks * num_guests, gpus_per_node * num_guests)), mine)
+                    _deliver(got, relay_row, jnp.where(relayed, src, -1), me, move, num_guests, relays), mine)
     parts, start = [], 0
     for w in weights:
         size = w[0].size
@@ -204,9 +214,11 @@ def fetch_guest_weights(weights: ExpertWeights, guests: Int[Array, "R K"], place
     for c in range(chunks):
         with jax.named_scope(f"slice{c}"):
             part = hidden_slice(weights, c, chunks)
-            if out:
+            if out and jax.default_backend() != "cpu":
                 # Slices travel one after another (they share the links anyway), so XLA can reuse
                 # one slice's exchange buffers for the next: they are sized for the widest fan-out.
+                # Not on XLA:CPU, whose compiler crashed intermittently on the barrier inside the
+                # trainer's micro-batch loop, and whose dense emulation's memory it does not change.
                 part, _ = jax.lax.optimization_barrier((part, out[-1]))
             if previous is None:
                 out.append(_fetch(part, guests, placement, me, guests < 0, move))
