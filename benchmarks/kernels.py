@@ -10,7 +10,7 @@ fuses differently from XLA:CPU, so the count is a proxy; `--calibrate FILE` fits
 latency = a + b x kernels to a gpu_check.json's planner latencies and projects each row with it.
 
 --target h100 counts the same way in the program XLA:GPU compiles for an H100 without one
-(benchmarks.memory's described device; needs JAX's CUDA plugin): XLA:GPU's own fusions, so the
+(benchmarks.gpu_target; needs JAX's CUDA plugin): XLA:GPU's own fusions, so the
 kernels a GPU launches, not a proxy. No latency line is fitted to those counts: the H200 timings
 were of programs counted by XLA:CPU. Writes kernels_h100.json and kernels_h100.md.
 
@@ -108,7 +108,7 @@ def kernel_count(hlo: str) -> int:
 
 def planner_kernels(name: str, num_ranks: int, device=None) -> tuple[int, float]:
     """The compiled planner's kernel count, its loops at the GPU's static trip count, and the seconds
-    XLA took to compile it (lowered already), for `device` (a described GPU, benchmarks.memory) or,
+    XLA took to compile it (lowered already), for `device` (a described GPU, benchmarks.gpu_target) or,
     without one, for XLA:CPU."""
     topology = TopologyConfig(num_nodes=max(num_ranks // GPUS, 1), gpus_per_node=min(GPUS, num_ranks)).to_topology()
     num_experts = max(256, num_ranks)
@@ -184,17 +184,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--calibrate", type=pathlib.Path, default=RESULTS / "gpu" / "gpu_check.json",
                         help="a gpu_check.json with planner latencies at R = 32 (none to skip)")
     parser.add_argument("--target", choices=("cpu", "h100"), default="cpu",
-                        help="count in XLA:CPU's program (a proxy) or in XLA:GPU's for an H100 (needs JAX's CUDA plugin)")
+                        help="count in XLA:CPU's program (a proxy) or in XLA:GPU's for an H100 "
+                             "(needs JAX's CUDA plugin)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
     device, on_target = None, contextlib.nullcontext()
     if args.target == "h100":
-        from benchmarks import memory
+        from benchmarks import gpu_target
 
-        if not memory._cuda_plugin():
-            parser.error('--target h100 needs JAX\'s CUDA plugin: pip install "jax-cuda12-plugin[with-cuda]==<jax version>"')
-        (device,) = memory._gpu_devices(1, 1)
-        on_target = memory._answering_as([device])
+        if not gpu_target.cuda_plugin_installed():
+            parser.error(gpu_target.NEEDS_PLUGIN)
+        (device,) = gpu_target.described_gpus(1, 1)
+        on_target = gpu_target.answering_as([device])
     table, compile_s = {}, {}
     with on_target:
         for ranks in args.ranks:

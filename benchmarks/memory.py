@@ -10,9 +10,9 @@ buffers, f x T x k rows. T = 4096 tokens per GPU. Experts are padded to a multip
 
 --target h100 (the default where JAX's CUDA plugin is installed: `pip install
 "jax-cuda12-plugin[with-cuda]==$(python -c 'import jax; print(jax.__version__)')"`) compiles for H100
-GPUs without one: XLA:GPU with a described device (benchmarks/gpu_specs/h100_sxm.txtpb; an H800 is
-the same die), the `ragged` transport and moe.gemm xla and pallas (the Mosaic GPU kernels; where
-expert_hidden / moe.guest_weight_chunks is not a multiple of 128, the largest chunk count that is).
+GPUs without one (benchmarks.gpu_target), with the `ragged` transport and moe.gemm xla and pallas
+(the Mosaic GPU kernels; where expert_hidden / moe.guest_weight_chunks is not a multiple of 128, the
+largest chunk count that is).
 These are the buffers a GPU run allocates. Writes memory_h100.json and memory_h100.md.
 
 --target cpu compiles for XLA:CPU, which cannot compile the `ragged` transport, so with the exact
@@ -25,62 +25,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
-import os
 import pathlib
 
+from benchmarks import gpu_target
+
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-GPU_SPEC = pathlib.Path(__file__).resolve().parent / "gpu_specs" / "h100_sxm.txtpb"
 FACTORS = (1.0, 1.25, 1.5)
 PLANNERS = ("none", "topoep")
 TOKENS = 4096
-HOPPER_TILE = 128
-
-
-def _cuda_plugin() -> bool:
-    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13)) \
-        if importlib.util.find_spec("jax_plugins") is not None else False
-
-
-def _gpu_devices(num_nodes: int, gpus_per_node: int) -> list:
-    """The described H100s of a (num_nodes x gpus_per_node) cluster, for compiling without them.
-    Call before JAX starts a backend."""
-    import jax
-    from jax.experimental import topologies
-
-    # Compile only: the plugin must load without a GPU here, and JAX must not start a CUDA client.
-    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-    jax.config.update("jax_platforms", "cpu")
-
-    return list(topologies.get_topology_desc(platform="cuda", topology_name="", target_config=GPU_SPEC.read_text(),
-                                             topology=f"1x{num_nodes}x{gpus_per_node}").devices)
-
-
-@contextlib.contextmanager
-def _answering_as(devices):
-    """JAX's device queries answer with the described GPUs while the layer is built and compiled, so
-    everything that asks which platform it runs on (the transport's and GEMM's `auto`, the Hopper
-    check, the Mosaic GPU kernel's SM count) chooses as on those GPUs."""
-    import jax
-
-    from jtopoep import gemm_hopper
-
-    saved = jax.default_backend, jax.devices
-    jax.default_backend, jax.devices = (lambda *_: "gpu"), (lambda *_, **__: list(devices))
-    gemm_hopper.hopper_available.cache_clear()
-    try:
-        yield
-    finally:
-        jax.default_backend, jax.devices = saved
-        gemm_hopper.hopper_available.cache_clear()
 
 
 def _hopper_chunks(expert_hidden: int, chunks: int) -> int:
     """The largest chunk count at most `chunks` whose hidden slices fit the Hopper kernels' tiles."""
-    fits = [c for c in range(chunks, 0, -1) if expert_hidden % c == 0 and (expert_hidden // c) % HOPPER_TILE == 0]
+    from jtopoep.gemm_hopper import TILE
+
+    fits = [c for c in range(chunks, 0, -1) if expert_hidden % c == 0 and (expert_hidden // c) % TILE == 0]
     if not fits:
-        raise ValueError(f"expert_hidden = {expert_hidden} is not a multiple of {HOPPER_TILE}: moe.gemm=pallas refuses it")
+        raise ValueError(f"expert_hidden = {expert_hidden} is not a multiple of {TILE}: moe.gemm=pallas refuses it")
     return fits[0]
 
 
@@ -94,10 +56,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--factors", type=float, nargs="+", default=list(FACTORS))
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
-    target = args.target or ("h100" if _cuda_plugin() else "cpu")
-    if target == "h100":
-        if not _cuda_plugin():
-            parser.error('--target h100 needs JAX\'s CUDA plugin: pip install "jax-cuda12-plugin[with-cuda]==<jax version>"')
+    target = args.target or ("h100" if gpu_target.cuda_plugin_installed() else "cpu")
+    if target == "h100" and not gpu_target.cuda_plugin_installed():
+        parser.error(gpu_target.NEEDS_PLUGIN)
     import yaml
 
     from jtopoep import xla_cpu
@@ -116,8 +77,8 @@ def main(argv=None) -> list[dict]:
 
     topology = topo_cfg.to_topology()
     if target == "h100":
-        devices = _gpu_devices(topology.num_nodes, topology.gpus_per_node)
-        on_target, transport, gemms = _answering_as(devices), "ragged", ("xla", "pallas")
+        devices = gpu_target.described_gpus(topology.num_nodes, topology.gpus_per_node)
+        on_target, transport, gemms = gpu_target.answering_as(devices), "ragged", ("xla", "pallas")
     else:
         devices, on_target, transport, gemms = None, contextlib.nullcontext(), "dense", ("xla",)
     mesh = make_mesh(topology, devices=devices)
