@@ -41,10 +41,9 @@ def sweeps_whole_buffer(gemm: str) -> bool:
 def grouped_matmul(x: Float[Array, "M K"], weights: Float[Array, "G K N"], group_sizes: Int[Array, " G"],
                    gemm: str = "xla") -> Float[Array, "M N"]:
     """x[rows of group g] @ weights[g] for each group in order; rows past the groups give zeros."""
-    gemm = resolve_gemm(gemm)
-    if gemm == "xla":
+    if resolve_gemm(gemm) == "xla":
         return jax.lax.ragged_dot(x, weights, group_sizes)
-    if jax.default_backend() == "gpu":
+    if sweeps_whole_buffer(gemm):  # pallas on a GPU: the Hopper kernels
         from jtopoep.gemm_hopper import hopper_available, hopper_grouped_matmul
 
         if not hopper_available():
