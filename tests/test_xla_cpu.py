@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import AS_USERS_COMPILE
+
 from jtopoep import xla_cpu
 from jtopoep.planners import get_planner
 from jtopoep.topology import Topology
@@ -69,5 +71,5 @@ def test_planner_loops_without_sorts_compile_to_one_kernel():
     fixed few rounds of them."""
     for name, loops in (("eplb", 1), ("taot", 1)):
         planner = get_planner(name, topology=Topology.preset("cpu-2x4"), num_experts=16, guest_slots=2)
-        hlo = jax.jit(planner).lower(jnp.ones((8, 16), jnp.int32)).compile().as_text()
+        hlo = jax.jit(planner).lower(jnp.ones((8, 16), jnp.int32)).compile(AS_USERS_COMPILE).as_text()
         assert hlo.count('xla_cpu_small_call="true"') == loops, name
