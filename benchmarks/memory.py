@@ -67,7 +67,8 @@ def main(argv=None) -> list[dict]:
     topo_cfg = section_from_dict("topology", TopologyConfig,
                                  yaml.safe_load((CONFIG_DIR / "topologies" / f"{args.topology}.yaml").read_text()))
     if target == "cpu":
-        xla_cpu.configure()
+        # The planners' settings, with XLA's default emitters: the fusions they make set the buffers.
+        xla_cpu.configure(loop_emitters=False)
         xla_cpu.emulate_cpu_devices(topo_cfg.num_devices)
 
     import jax

@@ -4,13 +4,12 @@ import os
 import sys
 
 # The tests check results, not speed, and most of an XLA:CPU compile here is LLVM optimising the
-# generated code: without it the suite's many small compiles take about a third less time. XLA:CPU's
-# older loop emitters compile the planners' hundreds of small fusions in about half the time of its
-# MLIR fusion emitters (the default), for the same results up to float rounding.
-TEST_XLA_FLAGS = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
-# Compiler options for a test that inspects compiled code: the emitters users get (the older ones
-# expand every scatter into a loop of its own).
-AS_USERS_COMPILE = {"xla_cpu_use_fusion_emitters": True}
+# generated code: without it the suite's many small compiles take about a third less time.
+TEST_XLA_FLAGS = ["--xla_backend_optimization_level=0"]
+# Compiler options for a test that inspects a compiled planner's structure as a GPU has it: XLA's
+# fusion emitters keep each scatter one kernel, where the loop emitters that xla_cpu.configure()
+# chooses expand it into a loop of its own.
+FUSION_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f and f not in TEST_XLA_FLAGS]
     + TEST_XLA_FLAGS + ["--xla_force_host_platform_device_count=8"]

@@ -13,7 +13,7 @@ from jtopoep.plan import check_plan
 from jtopoep.planners import eplb_host, get_planner
 from jtopoep.topology import make_mesh
 
-from conftest import AS_USERS_COMPILE
+from conftest import FUSION_EMITTERS
 from planner_cases import DIMS, KINDS, R, TOPO, adversarial, jitted, loads
 
 PLANNERS = ["none", "eplb", "topoep", "taot"]
@@ -284,12 +284,15 @@ def test_the_transfers_paying_pieces_gives_are_those_of_the_copies_it_makes():
     assert decided.any() and not decided.all()  # copies made and copies refused
 
 
-def test_match_lays_sorted_items_against_sorted_bins():
+@pytest.mark.parametrize("compared_bins", [16, 0])
+def test_match_lays_sorted_items_against_sorted_bins(compared_bins, monkeypatch):
     """rounds.match against its definition: per row, the row's items and bins largest first (ties to
     the lower id, bins to the lower column) laid end to end; each bin gets the first `width` items
-    its interval overlaps."""
+    its interval overlaps. Bins placed by comparing them all, and (compared_bins 0) by a sort."""
+    from jtopoep.planners import rounds
     from jtopoep.planners.rounds import match
 
+    monkeypatch.setattr(rounds, "_COMPARED_BINS", compared_bins)
     rng = np.random.default_rng(0)
     jitted_match = jax.jit(match, static_argnums=(3,))
     for trial in range(40):
@@ -335,7 +338,7 @@ def test_no_compiled_planner_loop_runs_more_than_64_steps(name, monkeypatch):
         topology = TopologyConfig(num_nodes=num_ranks // 8, gpus_per_node=8).to_topology()
         planner = get_planner(name, topology=topology, num_experts=max(256, num_ranks), guest_slots=2, dims=DIMS)
         counts = jnp.ones((num_ranks, max(256, num_ranks)), jnp.int32)
-        hlo = jax.jit(planner).lower(counts).compile(AS_USERS_COMPILE).as_text()
+        hlo = jax.jit(planner).lower(counts).compile(FUSION_EMITTERS).as_text()
         whiles = [line for line in hlo.splitlines() if " while(" in line]
         for line in whiles:
             trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)

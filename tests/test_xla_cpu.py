@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import AS_USERS_COMPILE
+from conftest import FUSION_EMITTERS
 
 from jtopoep import xla_cpu
 from jtopoep.planners import get_planner
@@ -16,21 +16,25 @@ from jtopoep.topology import Topology
 
 OPTION = xla_cpu.SMALL_LOOP_OPTION
 SCHEDULER = f"{xla_cpu.SCHEDULER_FLAG}={xla_cpu.MEMORY_OPTIMIZED}"
+LOOP_EMITTERS = f"{xla_cpu.FUSION_EMITTERS_FLAG}=false"
 
 
-def test_adds_both_settings_to_flags_without_them():
+def test_adds_every_setting_to_flags_without_them():
     out = xla_cpu.cpu_flags("--xla_force_host_platform_device_count=8", 4096)
-    assert out == f"--xla_force_host_platform_device_count=8 --xla_backend_extra_options={OPTION}=4096 {SCHEDULER}"
-    assert xla_cpu.cpu_flags("", 7, memory_scheduler=False) == f"--xla_backend_extra_options={OPTION}=7"
+    assert out == (f"--xla_force_host_platform_device_count=8 --xla_backend_extra_options={OPTION}=4096 {SCHEDULER} "
+                   f"{LOOP_EMITTERS}")
+    assert xla_cpu.cpu_flags("", 7, memory_scheduler=False) == f"--xla_backend_extra_options={OPTION}=7 {LOOP_EMITTERS}"
+    assert xla_cpu.cpu_flags("", 7, loop_emitters=False) == f"--xla_backend_extra_options={OPTION}=7 {SCHEDULER}"
 
 
 def test_extends_existing_extra_options_instead_of_adding_a_second_flag():
-    out = xla_cpu.cpu_flags("--xla_backend_extra_options=xla_cpu_foo=1 --xla_dump_to=/tmp/d", 64)
+    out = xla_cpu.cpu_flags("--xla_backend_extra_options=xla_cpu_foo=1 --xla_dump_to=/tmp/d", 64, loop_emitters=False)
     assert out == f"--xla_backend_extra_options=xla_cpu_foo=1,{OPTION}=64 --xla_dump_to=/tmp/d {SCHEDULER}"
 
 
 def test_settings_already_made_stand():
-    flags = f"--xla_backend_extra_options={OPTION}=0 {xla_cpu.SCHEDULER_FLAG}=CPU_SCHEDULER_TYPE_DEFAULT"
+    flags = (f"--xla_backend_extra_options={OPTION}=0 {xla_cpu.SCHEDULER_FLAG}=CPU_SCHEDULER_TYPE_DEFAULT "
+             f"{xla_cpu.FUSION_EMITTERS_FLAG}=true")
     assert xla_cpu.cpu_flags(flags, 1 << 20) == flags
 
 
@@ -68,8 +72,9 @@ def test_planner_loops_without_sorts_compile_to_one_kernel():
     compiled into one kernel with the xla_cpu_small_call attribute. eplb's replica loop and taot's
     Sinkhorn iterations must be one (with the limit at 2000 bytes neither is). topoep's and taot's
     rounds hold sorts and scatters, which the pass leaves out: they run as graphs of kernels, a
-    fixed few rounds of them."""
+    fixed few rounds of them. Compiled with the fusion emitters: the loop emitters expand each
+    scatter into a small loop of its own, which the pass makes one kernel too."""
     for name, loops in (("eplb", 1), ("taot", 1)):
         planner = get_planner(name, topology=Topology.preset("cpu-2x4"), num_experts=16, guest_slots=2)
-        hlo = jax.jit(planner).lower(jnp.ones((8, 16), jnp.int32)).compile(AS_USERS_COMPILE).as_text()
+        hlo = jax.jit(planner).lower(jnp.ones((8, 16), jnp.int32)).compile(FUSION_EMITTERS).as_text()
         assert hlo.count('xla_cpu_small_call="true"') == loops, name

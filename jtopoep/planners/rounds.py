@@ -11,6 +11,7 @@ the copies.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -23,6 +24,11 @@ from jtopoep.planners.arrays import (carry_like, exclusive_prefix_sum, order_by,
 from jtopoep.planners.problem import CopyProblem, Pricing, Shipped, paying_pieces, ship, spill_per_expert
 
 
+# Up to this many bins in a row, their places on the line come from comparing every pair (B^2 work in
+# a few fused kernels); past it, from a sort and a binary search.
+_COMPARED_BINS = 16
+
+
 def match(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Array, "S B"], width: int
           ) -> tuple[Int[Array, "S B W"], Int[Array, "S B W"]]:
     """(item, pairs) of the first `width` items each bin's interval overlaps, and by how much (0
@@ -30,8 +36,9 @@ def match(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Array, 
     that meet row s of bins (a node's experts or pieces against its ranks). Within each row, items
     and bins are laid end to end largest first (ties to the lower id, bins to the lower column).
 
-    One sort of each row's packed keys, a prefix sum along rows, and comparisons within rows: the
-    bins of a row are few (a node's ranks), so their places come from comparing them all."""
+    One sort of each row's packed keys, a prefix sum along rows, and each bin's place on the line:
+    where a row's bins are few (a node's ranks), from comparing them all; where they are many (the
+    nodes, at scale), from a sort of the row and a binary search, whose work grows as B log B, not B^2."""
     num_ids, (num_rows, num_items), num_bins = size.shape[0], rows.shape, bin_size.shape[1]
     bound = key_range(num_ids)
     # ordering.stable_order's packing, by id: the same order as argsort of (descending size, id).
@@ -39,12 +46,23 @@ def match(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Array, 
     length = size[line]
     item_hi = prefix_sum(length, 1)
     key = descending_key(bin_size, key_range(bin_size.size))
-    column = jnp.arange(num_bins)
-    ahead = (key[:, None, :] < key[:, :, None]) | ((key[:, None, :] == key[:, :, None])
-                                                 & (column[None, None, :] < column[None, :, None]))  # [S, B, B]
-    bin_lo = (ahead * bin_size[:, None, :]).sum(2)
+    column = jnp.arange(num_bins, dtype=jnp.int32)
+    if num_bins <= _COMPARED_BINS:
+        ahead = (key[:, None, :] < key[:, :, None]) | ((key[:, None, :] == key[:, :, None])
+                                                     & (column[None, None, :] < column[None, :, None]))  # [S, B, B]
+        bin_lo = (ahead * bin_size[:, None, :]).sum(2)
+        first = (item_hi[:, None, :] <= bin_lo[:, :, None]).sum(2, dtype=jnp.int32)  # items wholly before it
+    else:
+        # The same order (descending size, ties to the lower column) as one packed sort per row.
+        order = jnp.sort(key * num_bins + column, axis=1) % num_bins
+        before = exclusive_prefix_sum(jnp.take_along_axis(bin_size, order, 1), 1)
+        # Back to column order by sorting the order itself (a sort, where a scatter would be a loop
+        # over its updates on XLA:CPU's loop emitters).
+        place_of = jnp.sort(order * num_bins + column, axis=1) % num_bins
+        bin_lo = jnp.take_along_axis(before, place_of, 1)
+        first = jax.vmap(functools.partial(jnp.searchsorted, side="right", method="scan_unrolled"))(
+            item_hi, bin_lo).astype(jnp.int32)
     bin_hi = bin_lo + bin_size
-    first = (item_hi[:, None, :] <= bin_lo[:, :, None]).sum(2, dtype=jnp.int32)  # items wholly before it
     index = first[:, :, None] + jnp.arange(width)  # [S, B, W]
     safe = jnp.minimum(index, num_items - 1).reshape(num_rows, -1)
     hi = jnp.take_along_axis(item_hi, safe, 1).reshape(index.shape)
