@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from jtopoep.planners.base import CopyingPlanner
@@ -65,7 +66,12 @@ class TaotPlanner(CopyingPlanner):
             flow = jnp.where(flow * gpus >= node_room[None, :], flow, 0)
             # Each node's experts against its row of flows: pieces [N (from), N (to), G * K].
             item, amount = match(spill, placement.reshape(nodes, -1), flow, gpus * slots)
-            node_pieces = jnp.arange(item.size, dtype=jnp.int32).reshape(item.shape).transpose(1, 0, 2)
+            node_pieces = jnp.arange(item.size, dtype=jnp.int32).reshape(item.shape).transpose(1, 0, 2)  # [to, from, G K]
+            if nodes > gpus:
+                # A flow kept is at least an average rank's room where it lands, so a node takes about G
+                # flows at most: the pieces of its G largest (ties to the lower node), not of all N.
+                _, sources = jax.lax.top_k(flow.T.astype(jnp.float32), gpus)  # [to, G]
+                node_pieces = jnp.take_along_axis(node_pieces, sources[:, :, None], axis=1)
             proposals = onto_ranks_of_nodes(item.reshape(-1), amount.reshape(-1), node_pieces.reshape(nodes, -1), room,
                                             gpus, slots)
             copies = place(copies, *proposals, problem, placement, pricing, held, gpus, overshed=True)
