@@ -3,8 +3,8 @@
 For R = 8, 32, 64, 128, 256, 512 and 1024 ranks (nodes of 8 H800 GPUs), E = max(256, R) experts,
 K = 2 guest slots, 4096 tokens per rank and top-8 routing: each planner's latency (jitted, every
 thread on one core, the median over 7 rounds, the planners taking turns, of the median of 10 calls)
-and compile time, and its balance (median imbalance
-over the lower bound, pricing on and off) and inter-node bytes against eplb's, on Zipf 1.0,
+and compile time, and its balance (median imbalance over the lower bound, pricing on and off) and
+inter-node bytes against eplb's, on Zipf 1.0,
 lognormal, hot-node and burst loads. Beside them DeepSeek's EPLB (global and hierarchical policies,
 benchmarks.deepseek_eplb), a host re-placement of every expert, with its balance and host time.
 A planner whose call took longer than --budget seconds at one R is not run at larger R (the table
@@ -97,8 +97,8 @@ def at_scale(num_ranks: int, steps: int, calls: int, skip: set[str], rounds: int
                 row["balance"][(key, family)] = float(np.median([s["imbalance"] / s["imbalance_lower_bound"]
                                                                  for s in stats]))
                 row["inter_bytes_vs_eplb"][(key, family)] = float(np.mean([s["inter_bytes"] for s in stats]))
-    # The planners take turns, round after round, so that a slow spell of the machine (its speed drifts
-    # by tens of percent from one second to the next) falls on all of them alike.
+    # The planners take turns, round after round, so that the machine's drift in speed falls on all
+    # of them alike.
     seconds = {name: [] for name in executables}
     for _ in range(rounds):
         for name, executable in executables.items():
@@ -164,7 +164,8 @@ def main(argv=None) -> list[dict]:
     pin_to_one_core()
     rows, skip = [], set()
     for num_ranks in (r for r in RANKS if r <= args.max_ranks):
-        row = at_scale(num_ranks, 1 if args.quick else 3, 3 if args.quick else 10, set(skip), 1 if args.quick else 7)
+        row = at_scale(num_ranks, 1 if args.quick else 3, 3 if args.quick else 10, set(skip),
+                       1 if args.quick else 7)
         rows.append(row)
         skip |= {name for name, seconds in row["latency_s"].items() if name in PLANNERS and seconds > args.budget}
         print(f"R = {num_ranks}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in row["latency_s"].items()), flush=True)

@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import FUSION_EMITTERS
-
 from jtopoep import xla_cpu
 from jtopoep.planners import get_planner
 from jtopoep.topology import Topology
+
+from conftest import FUSION_EMITTERS
 
 OPTION = xla_cpu.SMALL_LOOP_OPTION
 SCHEDULER = f"{xla_cpu.SCHEDULER_FLAG}={xla_cpu.MEMORY_OPTIMIZED}"

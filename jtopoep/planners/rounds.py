@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from jtopoep.ordering import descending_key, key_range
+from jtopoep.ordering import descending_key, key_range, stable_order
 from jtopoep.planners.arrays import (carry_like, exclusive_prefix_sum, order_by, overlap, prefix_sum, scatter_add,
                                      segmented_prefix_sum)
 from jtopoep.planners.problem import CopyProblem, Pricing, Shipped, paying_pieces, ship, spill_per_expert
@@ -46,20 +46,19 @@ def match(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Array, 
     length = size[line]
     item_hi = prefix_sum(length, 1)
     key = descending_key(bin_size, key_range(bin_size.size))
-    column = jnp.arange(num_bins, dtype=jnp.int32)
     if num_bins <= _COMPARED_BINS:
+        column = jnp.arange(num_bins)
         ahead = (key[:, None, :] < key[:, :, None]) | ((key[:, None, :] == key[:, :, None])
                                                      & (column[None, None, :] < column[None, :, None]))  # [S, B, B]
         bin_lo = (ahead * bin_size[:, None, :]).sum(2)
         first = (item_hi[:, None, :] <= bin_lo[:, :, None]).sum(2, dtype=jnp.int32)  # items wholly before it
     else:
-        # The same order (descending size, ties to the lower column) as one packed sort per row.
-        order = jnp.sort(key * num_bins + column, axis=1) % num_bins
+        # The same order (descending size, ties to the lower column), one sort per row.
+        order = stable_order(key, key_range(bin_size.size))
         before = exclusive_prefix_sum(jnp.take_along_axis(bin_size, order, 1), 1)
         # Back to column order by sorting the order itself (a sort, where a scatter would be a loop
         # over its updates on XLA:CPU's loop emitters).
-        place_of = jnp.sort(order * num_bins + column, axis=1) % num_bins
-        bin_lo = jnp.take_along_axis(before, place_of, 1)
+        bin_lo = jnp.take_along_axis(before, stable_order(order, num_bins), 1)
         first = jax.vmap(functools.partial(jnp.searchsorted, side="right", method="scan_unrolled"))(
             item_hi, bin_lo).astype(jnp.int32)
     bin_hi = bin_lo + bin_size

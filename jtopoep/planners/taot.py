@@ -66,7 +66,8 @@ class TaotPlanner(CopyingPlanner):
             flow = jnp.where(flow * gpus >= node_room[None, :], flow, 0)
             # Each node's experts against its row of flows: pieces [N (from), N (to), G * K].
             item, amount = match(spill, placement.reshape(nodes, -1), flow, gpus * slots)
-            node_pieces = jnp.arange(item.size, dtype=jnp.int32).reshape(item.shape).transpose(1, 0, 2)  # [to, from, G K]
+            # [N (to), N (from), G * K]
+            node_pieces = jnp.arange(item.size, dtype=jnp.int32).reshape(item.shape).transpose(1, 0, 2)
             if nodes > gpus:
                 # A flow kept is at least an average rank's room where it lands, so a node takes about G
                 # flows at most: the pieces of its G largest (ties to the lower node), not of all N.
