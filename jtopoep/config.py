@@ -103,6 +103,10 @@ class ModelConfig:
     # Compute dtype of activations, of the token exchange and of guest-weight transfers; parameters
     # and optimizer state stay float32. The cost model prices its bytes per element.
     dtype: str = "float32"
+    # Run the MoE layers (each with the moe_every - 1 dense layers after it) with jax.lax.scan over
+    # their stacked weights, so the step compiles one layer whatever the depth; false: a Python loop
+    # over the same weights, one compiled copy per layer.
+    scan_layers: bool = True
 
     def __post_init__(self):
         _positive("model", self, "vocab_size", "seq_len", "d_model", "num_layers", "num_heads",
@@ -115,8 +119,11 @@ class ModelConfig:
                  f"a divisor of model.d_model = {self.d_model}")
         _require((self.d_model // self.num_heads) % 2 == 0, "model.num_heads", self.num_heads,
                  "a head width d_model / num_heads that is even (rotary embedding)")
-        _require(self.first_dense_layers <= self.num_layers, "model.first_dense_layers",
-                 self.first_dense_layers, f"at most model.num_layers = {self.num_layers}")
+        _require(self.first_dense_layers < self.num_layers, "model.first_dense_layers",
+                 self.first_dense_layers, f"below model.num_layers = {self.num_layers} (at least one MoE layer)")
+        _require((self.num_layers - self.first_dense_layers) % self.moe_every == 0, "model.num_layers",
+                 self.num_layers, f"model.first_dense_layers = {self.first_dense_layers} plus a multiple of "
+                 f"model.moe_every = {self.moe_every} (each MoE layer and the dense layers after it repeat whole)")
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_dense_layers and (layer - self.first_dense_layers) % self.moe_every == 0

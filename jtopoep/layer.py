@@ -92,8 +92,9 @@ class MoELayer(nnx.Module):
         """Whether the layer keeps the averages a re-placement reads (moe.replace_every > 0)."""
         return self.load_average is not None
 
-    def observe(self, loads: Real[Array, " E"], coactivations: Real[Array, "E E"]) -> None:
-        """Fold one step's loads and co-activation counts into the averages (moe.load_decay)."""
+    def observe(self, loads: Real[Array, "*layers E"], coactivations: Real[Array, "*layers E E"]) -> None:
+        """Fold one step's loads and co-activation counts into the averages (moe.load_decay); with
+        the layer's variables stacked over layers, each layer's own [layers, ...]."""
         decay = self.moe.load_decay
         for average, value in ((self.load_average, loads), (self.coactivation_average, coactivations)):
             average.set_value(decay * average.get_value() + (1 - decay) * value.astype(jnp.float32))

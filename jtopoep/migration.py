@@ -63,11 +63,19 @@ def migrate_local(rows: Shaped[Array, "H *feat"], old: Int[Array, "R H"], new: I
 def migrate(array: Shaped[Array, "E *feat"], old: Int[Array, "R H"], new: Int[Array, "R H"], mesh: Mesh,
             topology: Topology, *, backend: str = "auto") -> Shaped[Array, "E *feat"]:
     """An expert-axis array, sharded over the expert-parallel axes, moved to the new placement."""
-    spec = P(EP_AXES)
-    fn = jax.shard_map(lambda rows, old, new: migrate_local(rows, old, new, gpus_per_node=topology.gpus_per_node,
-                                                            backend=backend),
-                       mesh=mesh, in_specs=(spec, P(), P()), out_specs=spec)
-    return fn(array, old, new)
+    return migrate_layers(array[None], old[None], new[None], mesh, topology, backend=backend)[0]
+
+
+def migrate_layers(array: Shaped[Array, "L E *feat"], old: Int[Array, "L R H"], new: Int[Array, "L R H"], mesh: Mesh,
+                   topology: Topology, *, backend: str = "auto") -> Shaped[Array, "L E *feat"]:
+    """migrate for layers stacked on a leading axis, one layer after another (jax.lax.map: compiled
+    once whatever the depth), each to its own new placement."""
+    def local(rows, old, new):
+        return jax.lax.map(lambda a: migrate_local(*a, gpus_per_node=topology.gpus_per_node, backend=backend),
+                           (rows, old, new))
+
+    spec = P(None, EP_AXES)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, P(), P()), out_specs=spec)(array, old, new)
 
 
 def migration_traffic(old: Int[ArrayLike, "R H"], new: Int[ArrayLike, "R H"], gpus_per_node: int
@@ -80,11 +88,14 @@ def migration_traffic(old: Int[ArrayLike, "R H"], new: Int[ArrayLike, "R H"], gp
     return {"moved": moved, "moved_intra": (moved & ~across).sum(), "moved_inter": across.sum()}
 
 
-def rehome(model: nnx.Module, optimizer: nnx.Optimizer | None = None, *, backend: str = "auto") -> list[dict[str, Array]]:
+def rehome(model: nnx.Module, optimizer: nnx.Optimizer | None = None, *, backend: str = "auto"
+           ) -> dict[str, Array]:
     """Re-place the home experts of every MoE layer of `model` that keeps routing averages
     (moe.replace_every) and move its expert weights, and the optimizer's state of them (AdamW's
-    moments: every optimizer leaf at a weight's path with its shape), to the new ranks. Call inside
-    nnx.jit; every rank computes the same placements. Returns per layer the experts that moved
+    moments: every optimizer leaf at a weight's path with its shape), to the new ranks. A layer's
+    variables may be stacked over several layers on a leading axis (models.moe_transformer); each
+    layer is re-placed from its own averages. Call inside nnx.jit; every rank computes the same
+    placements. Returns, per layer in model order, stacked [layers, ...], the experts that moved
     (jtopoep.migration.migration_traffic)."""
     opt_state = None if optimizer is None else nnx.state(optimizer)
     opt_leaves = [] if opt_state is None else nnx.to_flat_state(opt_state)
@@ -92,9 +103,17 @@ def rehome(model: nnx.Module, optimizer: nnx.Optimizer | None = None, *, backend
     for path, layer in nnx.iter_graph(model):
         if not isinstance(layer, MoELayer) or not layer.tracks_routing:
             continue
-        old = layer.placement.get_value()
-        new = replace_homes(layer.load_average.get_value(), layer.coactivation_average.get_value(), old, layer.topology)
-        move = lambda a: migrate(a, old, new, layer.mesh, layer.topology, backend=backend)  # noqa: E731
+        stacked = layer.placement.get_value().ndim == 3
+        lift = (lambda a: a) if stacked else (lambda a: a[None])  # noqa: E731
+        old = lift(layer.placement.get_value())
+        topology = layer.topology
+        new = jax.lax.map(lambda a: replace_homes(*a, topology),
+                          (lift(layer.load_average.get_value()), lift(layer.coactivation_average.get_value()), old))
+
+        def move(a):
+            moved = migrate_layers(lift(a), old, new, layer.mesh, topology, backend=backend)
+            return moved if stacked else moved[0]
+
         for name, weight in vars(layer).items():
             if not isinstance(weight, ExpertParam):
                 continue
@@ -103,8 +122,8 @@ def rehome(model: nnx.Module, optimizer: nnx.Optimizer | None = None, *, backend
                 if tuple(leaf_path[-len(weight_path):]) == weight_path and leaf.get_value().shape == weight.shape:
                     leaf.set_value(move(leaf.get_value()))
             weight.set_value(move(weight.get_value()))
-        layer.placement.set_value(new)
-        traffic.append(migration_traffic(old, new, layer.topology.gpus_per_node))
+        layer.placement.set_value(new if stacked else new[0])
+        traffic.append(jax.vmap(lambda o, n: migration_traffic(o, n, topology.gpus_per_node))(old, new))
     if optimizer is not None:
         nnx.update(optimizer, opt_state)
-    return traffic
+    return {key: jnp.concatenate([t[key] for t in traffic]) for key in ("moved", "moved_intra", "moved_inter")}

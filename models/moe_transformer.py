@@ -88,29 +88,81 @@ class Block(nnx.Module):
         return x + y, stats
 
 
+class Unit(nnx.Module):
+    """One MoE block and the moe_every - 1 dense blocks after it: what the model repeats."""
+
+    def __init__(self, config: ModelConfig, moe: MoEConfig, topology: Topology, mesh: Mesh, *, rngs: nnx.Rngs):
+        self.moe_block = Block(config, moe, topology, mesh, rngs=rngs)
+        self.dense = nnx.List([Block(config, None, topology, mesh, rngs=rngs) for _ in range(config.moe_every - 1)])
+
+    def __call__(self, x, previous: GuestCopies | None = None):
+        x, stats = self.moe_block(x, previous)
+        for block in self.dense:
+            x, _ = block(x)
+        return x, stats
+
+
+def stack_modules(modules: list[nnx.Module]) -> nnx.Module:
+    """The first module, its every variable holding all the modules' values stacked on a new leading
+    axis (the modules must have the same structure)."""
+    stacked = jax.tree.map(lambda *values: jnp.stack(values), *(nnx.state(m) for m in modules))
+    nnx.update(modules[0], stacked)
+    return modules[0]
+
+
 class MoETransformer(nnx.Module):
+    """Embedding, first_dense_layers dense blocks, then the MoE layers, each in a Unit with the dense
+    blocks that follow it. The units' variables are stacked on a leading layer axis and the forward
+    pass runs them with jax.lax.scan (ModelConfig.scan_layers), so the step compiles one unit, the
+    planner in it once, whatever the depth; without the scan, a Python loop over the same stack."""
+
     def __init__(self, config: ModelConfig, moe: MoEConfig, topology: Topology, mesh: Mesh, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(config.dtype)
+        self.scan_layers = config.scan_layers
+        self.num_moe_layers = config.num_moe_layers
         self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=dtype, rngs=rngs)
-        self.blocks = nnx.List([
-            Block(config, moe if config.is_moe_layer(i) else None, topology, mesh, rngs=rngs)
-            for i in range(config.num_layers)])
+        self.prefix = nnx.List([Block(config, None, topology, mesh, rngs=rngs)
+                                for _ in range(config.first_dense_layers)])
+        units = [Unit(config, moe, topology, mesh, rngs=rngs) for _ in range(self.num_moe_layers)]
+        self.units = stack_modules(units)
         self.norm = nnx.RMSNorm(config.d_model, dtype=dtype, rngs=rngs)
         self.head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens: Int[Array, "B L"],
-                 previous: list[GuestCopies] | None = None) -> tuple[Float[Array, "B L V"], list[dict]]:
-        """Logits and each MoE layer's stats. previous: one GuestCopies per MoE layer, the copies it
-        held after the previous micro-batch of this optimizer step (MoELayer.__call__); each layer's
-        stats then hold its copies after this call under "guests"."""
+                 previous: GuestCopies | None = None) -> tuple[Float[Array, "B L V"], dict]:
+        """Logits and the MoE layers' stats, each stacked over the layers [layers, ...]. previous: the
+        guest copies every MoE layer held after the previous micro-batch of this optimizer step,
+        stacked over the layers (no_guest_copies() before the first); the stats then hold the
+        copies after this call under "guests" (MoELayer.__call__)."""
         x = self.embed(tokens)
-        stats = []
-        held = iter(previous) if previous is not None else None
-        for block in self.blocks:
-            x, layer_stats = block(x, None if held is None or block.moe is None else next(held))
-            if layer_stats is not None:
-                stats.append(layer_stats)
+        for block in self.prefix:
+            x, _ = block(x)
+        graphdef, state = nnx.split(self.units)
+
+        def unit(x, layer):
+            state, held = layer
+            return nnx.merge(graphdef, state)(x, held)
+
+        if self.scan_layers:
+            x, stats = jax.lax.scan(unit, x, (state, previous))
+        else:
+            outs = []
+            for i in range(self.num_moe_layers):
+                x, out = unit(x, jax.tree.map(lambda a: a[i], (state, previous)))
+                outs.append(out)
+            stats = jax.tree.map(lambda *a: jnp.stack(a), *outs)
         return self.head(self.norm(x)), stats
 
-    def moe_layers(self) -> list[MoELayer]:
-        return [block.moe for block in self.blocks if block.moe is not None]
+    def moe_layer(self, index: int | None = None) -> MoELayer:
+        """The MoE layers as one MoELayer whose variables are stacked over the layers (index None),
+        or layer `index`'s own, unstacked copy (a new module: setting its variables changes nothing
+        here)."""
+        if index is None:
+            return self.units.moe_block.moe
+        graphdef, state = nnx.split(self.units.moe_block.moe)
+        return nnx.merge(graphdef, jax.tree.map(lambda a: a[index], state))
+
+    def no_guest_copies(self) -> GuestCopies:
+        """Every MoE layer's held copies before a step's first micro-batch, stacked over the layers."""
+        empty = self.moe_layer(0).no_guest_copies()
+        return jax.tree.map(lambda a: jnp.broadcast_to(a, (self.num_moe_layers,) + a.shape), empty)

@@ -56,6 +56,10 @@ def test_presets_and_overrides(tmp_path):
     ("model.top_k=17", r"model\.top_k = 17 is not allowed: expected at most model\.num_experts = 16"),
     ("model.num_experts=12", r"model\.num_experts = 12 is not allowed: expected a multiple of .* = 8"),
     ("model.d_model=0", r"model\.d_model = 0 is not allowed: expected a value > 0"),
+    ("model.first_dense_layers=2", r"model\.first_dense_layers = 2 is not allowed: expected below model\.num_layers "
+                                   r"= 2 \(at least one MoE layer\)"),
+    ("model.moe_every=3", r"model\.num_layers = 2 is not allowed: expected model\.first_dense_layers = 0 plus a "
+                          r"multiple of model\.moe_every = 3"),
     ("model.dtype=float16", r"model\.dtype = 'float16' is not allowed: expected one of \['float32', 'bfloat16'\]"),
     ("train.batch_size=12", r"train\.batch_size = 12 is not allowed: expected a multiple of the 8 devices"),
     ("train.learning_rate=true", r"train\.learning_rate = True has type bool: expected float"),

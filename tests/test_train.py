@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jtopoep.config import TopologyConfig, config_from_dict
 from jtopoep.traces import load_recorded
+from train.data import ByteDataset
 from train.loop import NonFiniteLossError, OverflowWarning, ReceiveCapacityError, Trainer
 
 
@@ -68,15 +69,17 @@ def test_rehome_moves_weights_and_moments_bitwise(devices, tmp_path):
 
     trainer = Trainer(tiny(tmp_path, "move", moe={"replace_every": 2}))
     trainer._step(0)  # averages and moments from one step
-    layers = trainer.model.moe_layers()
+    layers = trainer.model.moe_layer()  # the MoE layers' variables, stacked [layers, ...]
     before_model = jax.device_get(nnx.to_flat_state(nnx.state(trainer.model)))
     before_opt = jax.device_get(nnx.to_flat_state(nnx.state(trainer.optimizer)))
-    old = [np.asarray(layer.placement.get_value()) for layer in layers]
+    old = np.asarray(layers.placement.get_value())
     batch = trainer._device_batch(0, "eval")
     loss_before = float(trainer.eval_step(trainer.model, batch)[0])
     moved = jax.device_get(trainer.rehome_step(trainer.model, trainer.optimizer))
-    new = [np.asarray(layer.placement.get_value()) for layer in layers]
-    assert moved["moved"].any() and any((a != b).any() for a, b in zip(old, new))
+    new = np.asarray(layers.placement.get_value())
+    assert old.shape == new.shape == (2, 8, 2) and (old != new).any(axis=(1, 2)).all()
+    assert moved["moved"].shape == (2, 16) and moved["moved"].any(axis=1).all()
+    np.testing.assert_array_equal(moved["placement"], new)
     perms = [np.asarray(slot_permutation(a, b)) for a, b in zip(old, new)]
     after_model = dict(jax.device_get(nnx.to_flat_state(nnx.state(trainer.model))))
     after_opt = dict(jax.device_get(nnx.to_flat_state(nnx.state(trainer.optimizer))))
@@ -86,11 +89,12 @@ def test_rehome_moves_weights_and_moments_bitwise(devices, tmp_path):
             value, got = np.asarray(value.get_value()), np.asarray(after[path].get_value())
             name = path[-1]
             if name in ("w_gate", "w_up", "w_down"):
-                np.testing.assert_array_equal(got, value[perms[path[-3]]])
+                for layer, perm in enumerate(perms):  # each layer by its own placement change
+                    np.testing.assert_array_equal(got[layer], value[layer][perm])
                 checked += 1
             elif name != "placement":
                 np.testing.assert_array_equal(got, value)
-    assert checked == 3 * 3 * len(layers)  # weights, first and second moments
+    assert checked == 3 * 3  # weights, first and second moments, each stacked over the layers
     assert float(trainer.eval_step(trainer.model, batch)[0]) == pytest.approx(loss_before, rel=1e-6)
 
 
@@ -224,12 +228,12 @@ def test_model_is_created_on_its_shards(devices, tmp_path):
     model = create_sharded_model(config, topology, mesh)
     eager = MoETransformer(config.model, config.moe, topology, mesh, rngs=nnx.Rngs(config.train.seed))
     experts = jax.tree.leaves(nnx.state(model, ExpertParam))
-    assert len(experts) == 3 * config.model.num_moe_layers
+    assert len(experts) == 3  # gate, up, down, each stacked over the MoE layers
     for w in experts:
-        assert w.sharding.spec == P(EP_AXES)
+        assert w.sharding.spec == P(None, EP_AXES) and w.shape[:2] == (config.model.num_moe_layers, 16)
         shards = w.addressable_shards
-        assert len(shards) == 8 and all(s.data.shape[0] == 16 // 4 for s in shards)
-        assert len({s.index[0].start for s in shards}) == 4  # each slice of experts on both replicas
+        assert len(shards) == 8 and all(s.data.shape[:2] == (2, 16 // 4) for s in shards)
+        assert len({s.index[1].start for s in shards}) == 4  # each slice of experts on both replicas
     for w in jax.tree.leaves(nnx.state(model, nnx.Not(ExpertParam))):
         assert w.sharding.is_fully_replicated
     for got, want in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(eager))):
@@ -291,7 +295,6 @@ def test_accumulated_gradient_is_the_whole_batch_gradient(devices, tmp_path):
     """Without the load-balancing loss (a product of batch means, so not a mean over micro-batches) the
     loss is a mean over tokens, and the mean of two halves' gradients is the whole batch's."""
     from jtopoep.topology import make_mesh
-    from train.data import ByteDataset
     from train.loop import accumulated_grads, create_sharded_model
 
     config = tiny(tmp_path, "grads", planner="none", moe={"aux_loss_coef": 0.0})
@@ -303,13 +306,40 @@ def test_accumulated_gradient_is_the_whole_batch_gradient(devices, tmp_path):
     sharding = NamedSharding(mesh, P(None, mesh.axis_names))
     loss_1, ce_1, _, grads_1 = step(model, jax.device_put(batch[None], sharding))
     loss_2, ce_2, stats_2, grads_2 = step(model, jax.device_put(batch.reshape(2, 8, -1), sharding))
-    assert stats_2[0]["counts"].shape == (2, 8, 16)
+    assert stats_2["counts"].shape == (2, 2, 8, 16)  # [micro-batches, layers, R, E]
     np.testing.assert_allclose(loss_2, loss_1, rtol=1e-6)
     np.testing.assert_allclose(ce_2, ce_1, rtol=1e-6)
     leaves_1, leaves_2 = jax.tree.leaves(grads_1), jax.tree.leaves(grads_2)
     assert len(leaves_1) == len(leaves_2) > 0
     for a, b in zip(leaves_1, leaves_2):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+
+
+def test_scanned_layers_compute_what_the_unrolled_loop_does(devices, tmp_path):
+    """model.scan_layers: jax.lax.scan over the stacked MoE units (a dense block before them, each
+    unit an MoE block and a dense one) gives the loss, stats and gradients of a Python loop over the
+    same weights, up to float rounding."""
+    from jtopoep.topology import make_mesh
+    from train.loop import accumulated_grads, create_sharded_model
+
+    config = tiny(tmp_path, "scan")
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=5, first_dense_layers=1,
+                                                                     moe_every=2))
+    topology = config.topology.to_topology()
+    mesh = make_mesh(topology)
+    model = create_sharded_model(config, topology, mesh)
+    assert model.moe_layer().w_gate.get_value().shape == (2, 16, 16, 12)
+    batch = ByteDataset(config.data, config.model.seq_len, config.model.vocab_size, 0).batch(0, 16)
+    tokens = jax.device_put(batch[None], NamedSharding(mesh, P(None, mesh.axis_names)))
+    step = nnx.jit(lambda m, t: accumulated_grads(m, t, config.moe))
+    scanned = jax.device_get(step(model, tokens))
+    model.scan_layers = False
+    looped = jax.device_get(step(model, tokens))
+    for a, b in zip(jax.tree.leaves(scanned[:3]), jax.tree.leaves(looped[:3]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    assert scanned[2]["counts"].shape == (1, 2, 8, 16)  # [micro-batches, MoE layers, R, E]
+    for a, b in zip(jax.tree.leaves(scanned[3]), jax.tree.leaves(looped[3]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
 def test_kept_guest_copies_change_no_loss_or_gradient(devices, tmp_path):
@@ -330,10 +360,10 @@ def test_kept_guest_copies_change_no_loss_or_gradient(devices, tmp_path):
         step = nnx.jit(lambda m, t, moe=config.moe: accumulated_grads(m, t, moe))
         results[keep] = jax.device_get(step(trainer.model, trainer._device_batch(0)))
     (loss, ce, stats, grads), (loss_f, ce_f, stats_f, grads_f) = results[True], results[False]
-    kept = np.array([s["kept_copies"] for s in stats])  # [layers, micro-batches]
-    made = np.array([s["guest_copies"] for s in stats])
+    kept = np.asarray(stats["kept_copies"]).T  # [layers, micro-batches]
+    made = np.asarray(stats["guest_copies"]).T
     assert (kept[:, 0] == 0).all() and kept[:, 1].sum() > 0 and (kept <= made).all()
-    assert (np.array([s["kept_copies"] for s in stats_f]) == 0).all()
+    assert (np.asarray(stats_f["kept_copies"]) == 0).all()
     np.testing.assert_allclose(loss, loss_f, rtol=2e-5)
     np.testing.assert_allclose(ce, ce_f, rtol=2e-5)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_f), strict=True):

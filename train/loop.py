@@ -87,7 +87,7 @@ def create_sharded_model(config: RunConfig, topology, mesh) -> MoETransformer:
     one device: DeepSeek-V2-Lite's experts alone are 58 GB in float32, more than an H800 holds. In a
     multi-host run every process computes just its own shards, where moving a host-local model onto
     devices of other processes is not possible at all."""
-    experts = NamedSharding(mesh, P(EP_AXES))
+    experts = NamedSharding(mesh, P(None, EP_AXES))  # [layers, E, ...]: the MoE layers are stacked
     replicated = NamedSharding(mesh, P())
 
     @nnx.jit
@@ -113,8 +113,7 @@ def replicate_unplaced(module: nnx.Module, mesh) -> None:
 def _losses(model, tokens, moe, previous=None):
     logits, stats = model(tokens[:, :-1], previous)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
-    aux = sum(s["aux_loss"] for s in stats)
-    z = sum(s["z_loss"] for s in stats)
+    aux, z = stats["aux_loss"].sum(), stats["z_loss"].sum()
     loss = ce + moe.aux_loss_coef * aux + moe.z_loss_coef * z
     return loss, (ce, stats)
 
@@ -123,7 +122,8 @@ def accumulated_grads(model, tokens, moe: MoEConfig):
     """(mean loss, mean cross-entropy, per-micro-batch layer stats, gradient of the mean loss) of
     tokens [M, b, L+1], one micro-batch after another (jax.lax.scan): each is routed, planned and
     dispatched on its own, and only one micro-batch's activations are live at a time. The stats are
-    the layers' stats with a leading micro-batch axis [M]. M = 1 is the plain step, with no scan.
+    the layers' stats [layers, ...] with a leading micro-batch axis [M, layers, ...]. M = 1 is the
+    plain step, with no scan.
 
     With moe.keep_copies, each MoE layer's guest copies go from one micro-batch to the next in the
     scan's carry, so copies held again are not fetched again (jtopoep.guests); every step starts
@@ -132,16 +132,15 @@ def accumulated_grads(model, tokens, moe: MoEConfig):
         grad_fn = nnx.value_and_grad(lambda m: _losses(m, tokens[0], moe), has_aux=True)
         (loss, (ce, stats)), grads = grad_fn(model)
         return loss, ce, jax.tree.map(lambda a: a[None], stats), grads
-    layers = model.moe_layers()
-    keep = moe.keep_copies and all(layer.makes_copies for layer in layers)
-    held = [layer.no_guest_copies() for layer in layers] if keep else None
+    keep = moe.keep_copies and model.moe_layer().makes_copies
+    held = model.no_guest_copies() if keep else None
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def micro_batch(carry, toks):
         total, held = carry
         loss_of = lambda p: _losses(nnx.merge(graphdef, p, rest), toks, moe, held)  # noqa: E731
         (loss, (ce, stats)), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-        held = [s.pop("guests") for s in stats] if keep else None
+        held = stats.pop("guests") if keep else None
         return (jax.tree.map(jnp.add, total, grads), held), (loss, ce, stats)
 
     (total, _), (loss, ce, stats) = jax.lax.scan(micro_batch, (jax.tree.map(jnp.zeros_like, params), held), tokens)
@@ -162,17 +161,16 @@ def make_train_step(moe: MoEConfig, mesh):
     def train_step(model, optimizer, tokens):
         loss, ce, stats, grads = accumulated_grads(model, tokens, moe)
         optimizer.update(model, grads)
+        layers = model.moe_layer()  # every MoE layer's variables, stacked [layers, ...]
         if moe.replace_every:  # the averages a re-placement reads, from all micro-batches of the step
-            for layer, layer_stats in zip(model.moe_layers(), stats):
-                layer.observe(layer_stats["loads"].sum(0), layer_stats["coactivation"].sum(0))
+            layers.observe(stats["loads"].sum(0), stats["coactivation"].sum(0))
         if moe.bias_balancing:
             # One bias update per optimizer step, from the loads of all its micro-batches.
-            for layer, layer_stats in zip(model.moe_layers(), stats):
-                layer.bias.set_value(bias_update(layer.bias.get_value(), layer_stats["counts"].sum(0),
-                                                 moe.bias_update_rate))
+            update = jax.vmap(lambda bias, counts: bias_update(bias, counts, moe.bias_update_rate))
+            layers.bias.set_value(update(layers.bias.get_value(), stats["counts"].sum(0)))
         per_layer = ("imbalance_before", "imbalance_after", "inter_node_pairs", "scaleout_rows", "counts", "dropped_pairs",
                      "guest_copies", "kept_copies", "nonfinite_router", "nonfinite_output", "plans_differ")
-        summary = {"loss": loss, "ce": ce, **{k: jnp.stack([s[k] for s in stats], axis=1) for k in per_layer}}
+        summary = {"loss": loss, "ce": ce, **{k: stats[k] for k in per_layer}}
         summary["grads_finite"] = jnp.all(jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]))
         return jax.lax.with_sharding_constraint(summary, replicated)
 
@@ -189,9 +187,8 @@ def make_rehome_step(moe: MoEConfig, mesh):
 
     @nnx.jit
     def rehome_step(model, optimizer):
-        traffic = rehome(model, optimizer, backend=moe.transport)
-        out = {key: jnp.stack([t[key] for t in traffic]) for key in ("moved", "moved_intra", "moved_inter")}
-        out["placement"] = jnp.stack([layer.placement.get_value() for layer in model.moe_layers()])
+        out = rehome(model, optimizer, backend=moe.transport)
+        out["placement"] = model.moe_layer().placement.get_value()
         return jax.lax.with_sharding_constraint(out, replicated)
 
     return rehome_step
@@ -204,7 +201,7 @@ def make_eval_step(moe: MoEConfig, mesh):
     @nnx.jit
     def eval_step(model, tokens):
         _, (ce, stats) = _losses(model, tokens, moe)
-        dropped = sum(s["dropped_pairs"] for s in stats)
+        dropped = stats["dropped_pairs"].sum()
         return jax.lax.with_sharding_constraint((ce, dropped), replicated)
 
     return eval_step
@@ -387,8 +384,7 @@ class Trainer:
     def _placement(self) -> np.ndarray:
         """[layers, R, H]: each MoE layer's home placement now (a host copy, read after a change)."""
         if self._host_placement is None:
-            self._host_placement = np.stack(jax.device_get([layer.placement.get_value()
-                                                            for layer in self.model.moe_layers()]))
+            self._host_placement = np.asarray(jax.device_get(self.model.moe_layer().placement.get_value()))
         return self._host_placement
 
     def _rehome(self) -> dict:

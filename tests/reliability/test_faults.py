@@ -91,8 +91,8 @@ def test_nan_in_a_router_names_the_step_and_the_layer(devices, tmp_path):
 
     def poison(t, step, row):
         if step == 2:
-            router = t.model.moe_layers()[1].router
-            router.set_value(router.get_value().at[0, 0].set(np.nan))
+            router = t.model.moe_layer().router  # stacked over the MoE layers: poison layer 1's
+            router.set_value(router.get_value().at[1, 0, 0].set(np.nan))
 
     trainer.add_hook(poison)
     with pytest.raises(NonFiniteLossError, match=r"non-finite loss nan at step 3; first at MoE layer 1 \(router "
