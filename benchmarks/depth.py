@@ -4,7 +4,7 @@ The train step (forward, backward, AdamW update; topoep with 2 guest slots, the 
 on 8 emulated CPU devices, 2 nodes x 4) for models of 2 to 16 MoE layers, with the MoE layers run by
 jax.lax.scan over their stacked weights (model.scan_layers, the default) and by a Python loop over
 them (one compiled copy per layer). Times XLA:CPU's lowering and compile of the step ahead of time
-(nnx.jit(...).lower(...).compile()), one process, nothing else running; and one warm step of each.
+(nnx.jit(...).lower(...).compile()), one process, nothing else running; and the median of 7 warm steps.
 Writes benchmarks/results/depth.json and depth.md.
 """
 
@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 import tempfile
 import time
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DEPTHS = (2, 4, 8, 16)
 LOOPED_DEPTHS = (2, 4, 8)  # a looped 16-layer step takes minutes to compile
+STEPS = 7  # warm steps timed; the median
 
 
 def measure(layers: int, scan: bool, run_dir: str) -> dict:
@@ -37,12 +39,15 @@ def measure(layers: int, scan: bool, run_dir: str) -> dict:
     lowered_s = time.perf_counter() - began
     compiled = lowered.compile()
     compile_s = time.perf_counter() - began - lowered_s
-    jax.block_until_ready(trainer.train_step(trainer.model, trainer.optimizer, batch))  # warm (compiles again)
-    began = time.perf_counter()
-    jax.block_until_ready(trainer.train_step(trainer.model, trainer.optimizer, batch))
     del compiled
+    jax.block_until_ready(trainer.train_step(trainer.model, trainer.optimizer, batch))  # warm (compiles again)
+    steps = []
+    for _ in range(STEPS):
+        began = time.perf_counter()
+        jax.block_until_ready(trainer.train_step(trainer.model, trainer.optimizer, batch))
+        steps.append(time.perf_counter() - began)
     return {"moe_layers": layers, "scan_layers": scan, "lower_s": lowered_s, "compile_s": compile_s,
-            "step_s": time.perf_counter() - began}
+            "step_s": statistics.median(steps)}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -50,7 +55,7 @@ def markdown(rows: list[dict]) -> str:
              "`python -m benchmarks.depth`: the train step of `configs/tiny_cpu.yaml` (topoep, 2 guest slots, "
              "8 emulated CPU devices as 2 x 4) with more MoE layers, compiled ahead of time by XLA:CPU on this "
              "machine; `model.scan_layers` true runs the MoE layers with jax.lax.scan, false with a Python loop.", "",
-             "| MoE layers | scan_layers | trace and lower s | compile s | warm step s |", "|---|---|---|---|---|"]
+             "| MoE layers | scan_layers | trace and lower s | compile s | warm step s (median of 7) |", "|---|---|---|---|---|"]
     lines += [f"| {r['moe_layers']} | {str(r['scan_layers']).lower()} | {r['lower_s']:.1f} | {r['compile_s']:.1f} | "
               f"{r['step_s']:.2f} |" for r in rows]
     return "\n".join(lines) + "\n"
