@@ -28,6 +28,7 @@ PLANNERS = ("none", "eplb", "topoep", "taot")
 TRANSPORTS = ("auto", "ragged", "dense")
 OVERFLOW = ("drop", "error")
 SCORE_FNS = ("softmax", "sigmoid")
+REMAT = ("none", "attention", "full")
 DTYPES = {"float32": 4, "bfloat16": 2}  # compute dtypes and their bytes per element
 DATA_SOURCES = ("stdlib", "path", "synthetic")
 
@@ -107,11 +108,18 @@ class ModelConfig:
     # their stacked weights, so the step compiles one layer whatever the depth; false: a Python loop
     # over the same weights, one compiled copy per layer.
     scan_layers: bool = True
+    # What the backward pass recomputes instead of keeping from the forward: "none" keeps every
+    # activation; "attention" recomputes each block's attention (its [heads, L, L] scores are most of
+    # a block's activations at long sequences; no communication is repeated); "full" keeps only the
+    # input of each MoE layer (with the dense layers after it) and recomputes the rest, its planning
+    # and token exchange included.
+    remat: str = "none"
 
     def __post_init__(self):
         _positive("model", self, "vocab_size", "seq_len", "d_model", "num_layers", "num_heads",
                   "num_experts", "top_k", "expert_hidden", "moe_every", "dense_hidden", "rope_theta")
         _choice("model", self, "dtype", tuple(DTYPES))
+        _choice("model", self, "remat", REMAT)
         _non_negative("model", self, "first_dense_layers", "shared_experts")
         _require(self.top_k <= self.num_experts, "model.top_k", self.top_k,
                  f"at most model.num_experts = {self.num_experts}")

@@ -60,10 +60,15 @@ class SwiGLU(nnx.Module):
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
+def _attend(norm: nnx.RMSNorm, attn: Attention, x):
+    return attn(norm(x))
+
+
 class Block(nnx.Module):
     def __init__(self, config: ModelConfig, moe: MoEConfig | None, topology: Topology, mesh: Mesh, *,
                  rngs: nnx.Rngs):
         dtype = jnp.dtype(config.dtype)
+        self.remat_attention = config.remat == "attention"
         self.attn_norm = nnx.RMSNorm(config.d_model, dtype=dtype, rngs=rngs)
         self.attn = Attention(config, rngs=rngs)
         self.ffn_norm = nnx.RMSNorm(config.d_model, dtype=dtype, rngs=rngs)
@@ -78,7 +83,10 @@ class Block(nnx.Module):
             self.shared = SwiGLU(config.d_model, shared_hidden, dtype=dtype, rngs=rngs) if config.shared_experts else None
 
     def __call__(self, x, previous: GuestCopies | None = None):
-        x = x + self.attn(self.attn_norm(x))
+        if self.remat_attention:  # the backward pass recomputes the attention from the block's input
+            x = x + nnx.remat(_attend)(self.attn_norm, self.attn, x)
+        else:
+            x = x + _attend(self.attn_norm, self.attn, x)
         h = self.ffn_norm(x)
         if self.moe is None:
             return x + self.ffn(h), None
@@ -119,6 +127,7 @@ class MoETransformer(nnx.Module):
     def __init__(self, config: ModelConfig, moe: MoEConfig, topology: Topology, mesh: Mesh, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(config.dtype)
         self.scan_layers = config.scan_layers
+        self.remat_layers = config.remat == "full"
         self.num_moe_layers = config.num_moe_layers
         self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=dtype, rngs=rngs)
         self.prefix = nnx.List([Block(config, None, topology, mesh, rngs=rngs)
@@ -142,6 +151,9 @@ class MoETransformer(nnx.Module):
         def unit(x, layer):
             state, held = layer
             return nnx.merge(graphdef, state)(x, held)
+
+        if self.remat_layers:  # keep each unit's input; the backward pass recomputes the rest
+            unit = jax.checkpoint(unit, prevent_cse=not self.scan_layers)
 
         if self.scan_layers:
             x, stats = jax.lax.scan(unit, x, (state, previous))

@@ -342,6 +342,27 @@ def test_scanned_layers_compute_what_the_unrolled_loop_does(devices, tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("remat", ["attention", "full"])
+def test_rematerialised_layers_give_the_same_loss_and_gradients(devices, tmp_path, remat):
+    """model.remat recomputes in the backward pass what it does not keep: the loss and gradients are
+    those of keeping everything, up to float rounding."""
+    from jtopoep.topology import make_mesh
+    from train.loop import accumulated_grads, create_sharded_model
+
+    results = {}
+    for mode in ("none", remat):
+        config = tiny(tmp_path, f"remat_{mode}")
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, remat=mode))
+        topology = config.topology.to_topology()
+        mesh = make_mesh(topology)
+        model = create_sharded_model(config, topology, mesh)
+        batch = ByteDataset(config.data, config.model.seq_len, config.model.vocab_size, 0).batch(0, 16)
+        tokens = jax.device_put(batch[None], NamedSharding(mesh, P(None, mesh.axis_names)))
+        results[mode] = jax.device_get(nnx.jit(lambda m, t, moe=config.moe: accumulated_grads(m, t, moe))(model, tokens))
+    for a, b in zip(jax.tree.leaves(results["none"]), jax.tree.leaves(results[remat]), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+
+
 def test_kept_guest_copies_change_no_loss_or_gradient(devices, tmp_path):
     """moe.keep_copies: a guest copy a rank holds again in the step's second micro-batch is taken
     from the first instead of fetched, and changes no loss or gradient (bitwise for the same plan:
