@@ -126,15 +126,16 @@ def markdown(target: str, rows: list[dict]) -> str:
                 "compiled ahead of time by XLA:CPU on this machine")
         extra = [("warm step s (median of 7)", lambda r: f"{r['step_s']:.2f}")]
     else:
-        what = ("the train step of `configs/deepseek_v2_lite_h800_4x8.yaml` (DeepSeek-V2-Lite's shape, topoep, 4 "
-                "micro-batches) compiled by XLA:GPU for 32 H100s without them (a 2-core machine compiles; the MoE layer "
-                "count is overridden, the dense first layer kept)")
+        what = ("the train step of `configs/deepseek_v2_lite_h800_4x8.yaml` (DeepSeek-V2-Lite's shape, topoep, "
+                "4 micro-batches) compiled by XLA:GPU for 32 H100s without them (a 2-core machine compiles; the "
+                "MoE layer count is overridden, the dense first layer kept)")
         extra = [("temporaries GB per device", lambda r: f"{r['temp_gb']:.2f}"),
                  ("arguments GB per device", lambda r: f"{r['argument_gb']:.2f}")]
     lines = ["# Training-step compile time against depth", "",
              f"`python -m benchmarks.depth{' --target h100' if target == 'h100' else ''}`: {what}; "
              "`model.scan_layers` true runs the MoE layers with jax.lax.scan, false with a Python loop.", "",
-             "| MoE layers | scan_layers | remat | trace and lower s | compile s | " + " | ".join(h for h, _ in extra) + " |",
+             "| MoE layers | scan_layers | remat | trace and lower s | compile s | "
+             + " | ".join(h for h, _ in extra) + " |",
              "|---|---|---|---|---|" + "---|" * len(extra)]
     lines += [f"| {r['moe_layers']} | {str(r['scan_layers']).lower()} | {r['remat']} | {r['lower_s']:.1f} | "
               f"{r['compile_s']:.1f} | "

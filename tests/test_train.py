@@ -315,11 +315,12 @@ def test_accumulated_gradient_is_the_whole_batch_gradient(devices, tmp_path):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
 
 
-def test_scanned_layers_compute_what_the_unrolled_loop_does(devices, tmp_path):
-    """model.scan_layers: jax.lax.scan over the stacked MoE units (a dense block before them, each
-    unit an MoE block and a dense one) gives the loss, stats and gradients of a Python loop over the
-    same weights, up to float rounding."""
+def test_scanned_and_rematerialised_layers_compute_what_the_unrolled_loop_does(devices, tmp_path):
+    """model.scan_layers (jax.lax.scan over the stacked MoE units; here a dense block before them,
+    each unit an MoE block and a dense one) and model.remat (attention, full) give the loss, stats and
+    gradients of a Python loop over the same weights keeping every activation, up to float rounding."""
     from jtopoep.topology import make_mesh
+    from models.moe_transformer import Block
     from train.loop import accumulated_grads, create_sharded_model
 
     config = tiny(tmp_path, "scan")
@@ -331,36 +332,21 @@ def test_scanned_layers_compute_what_the_unrolled_loop_does(devices, tmp_path):
     assert model.moe_layer().w_gate.get_value().shape == (2, 16, 16, 12)
     batch = ByteDataset(config.data, config.model.seq_len, config.model.vocab_size, 0).batch(0, 16)
     tokens = jax.device_put(batch[None], NamedSharding(mesh, P(None, mesh.axis_names)))
-    step = nnx.jit(lambda m, t: accumulated_grads(m, t, config.moe))
-    scanned = jax.device_get(step(model, tokens))
-    model.scan_layers = False
-    looped = jax.device_get(step(model, tokens))
-    for a, b in zip(jax.tree.leaves(scanned[:3]), jax.tree.leaves(looped[:3]), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
-    assert scanned[2]["counts"].shape == (1, 2, 8, 16)  # [micro-batches, MoE layers, R, E]
-    for a, b in zip(jax.tree.leaves(scanned[3]), jax.tree.leaves(looped[3]), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    blocks = [node for _, node in nnx.iter_graph(model) if isinstance(node, Block)]
+    assert len(blocks) == 3  # the dense first block, and the unit's two (stacked)
 
+    def run(scan, remat):  # the same weights, run as the settings would build the model
+        model.scan_layers, model.remat_layers = scan, remat == "full"
+        for block in blocks:
+            block.remat_attention = remat == "attention"
+        return jax.device_get(nnx.jit(lambda m, t: accumulated_grads(m, t, config.moe))(model, tokens))
 
-@pytest.mark.parametrize("remat", ["attention", "full"])
-def test_rematerialised_layers_give_the_same_loss_and_gradients(devices, tmp_path, remat):
-    """model.remat recomputes in the backward pass what it does not keep: the loss and gradients are
-    those of keeping everything, up to float rounding."""
-    from jtopoep.topology import make_mesh
-    from train.loop import accumulated_grads, create_sharded_model
-
-    results = {}
-    for mode in ("none", remat):
-        config = tiny(tmp_path, f"remat_{mode}")
-        config = dataclasses.replace(config, model=dataclasses.replace(config.model, remat=mode))
-        topology = config.topology.to_topology()
-        mesh = make_mesh(topology)
-        model = create_sharded_model(config, topology, mesh)
-        batch = ByteDataset(config.data, config.model.seq_len, config.model.vocab_size, 0).batch(0, 16)
-        tokens = jax.device_put(batch[None], NamedSharding(mesh, P(None, mesh.axis_names)))
-        results[mode] = jax.device_get(nnx.jit(lambda m, t, moe=config.moe: accumulated_grads(m, t, moe))(model, tokens))
-    for a, b in zip(jax.tree.leaves(results["none"]), jax.tree.leaves(results[remat]), strict=True):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7)
+    looped = run(False, "none")
+    assert looped[2]["counts"].shape == (1, 2, 8, 16)  # [micro-batches, MoE layers, R, E]
+    for scan, remat in ((True, "none"), (True, "attention"), (True, "full")):
+        got = run(scan, remat)
+        for a, b in zip(jax.tree.leaves(looped), jax.tree.leaves(got), strict=True):
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7, err_msg=f"{scan} {remat}")
 
 
 def test_kept_guest_copies_change_no_loss_or_gradient(devices, tmp_path):
