@@ -20,6 +20,7 @@ Writes benchmarks/results/depth.json and depth.md (depth_h100.* for --target h10
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -40,22 +41,22 @@ CASES = {"cpu": [(n, True, None) for n in (2, 4, 8, 16)] + [(n, False, None) for
 STEPS = 7  # warm steps timed on CPU; the median
 
 
-def _overrides(config_path: pathlib.Path, layers: int, scan: bool, remat: str | None) -> list[str]:
+def _config(target: str, layers: int, scan: bool, remat: str | None, overrides: tuple[str, ...] = ()):
+    """The target's run file with `layers` MoE layers after its dense first layers."""
     from jtopoep.config import load_config
 
-    first = load_config(config_path).model.first_dense_layers
-    return ([f"model.num_layers={first + layers}", f"model.scan_layers={str(scan).lower()}"]
-            + ([f"model.remat={remat}"] if remat else []))
+    config = load_config(RUNS[target], list(overrides))
+    model = dataclasses.replace(config.model, num_layers=config.model.first_dense_layers + layers, scan_layers=scan,
+                                remat=remat or config.model.remat)
+    return dataclasses.replace(config, model=model)
 
 
 def measure_cpu(layers: int, scan: bool, remat: str | None, run_dir: str) -> dict:
     import jax
 
-    from jtopoep.config import load_config
     from train.loop import Trainer
 
-    config = load_config(RUNS["cpu"], _overrides(RUNS["cpu"], layers, scan, remat) + [
-        "moe.replace_every=0", f"train.run_dir={run_dir}/{layers}_{scan}"])
+    config = _config("cpu", layers, scan, remat, ("moe.replace_every=0", f"train.run_dir={run_dir}/{layers}_{scan}"))
     trainer = Trainer(config, fresh=True)
     batch = trainer._device_batch(0)
     row = _compile(trainer.train_step, (trainer.model, trainer.optimizer, batch))
@@ -77,13 +78,12 @@ def measure_h100(layers: int, scan: bool, remat: str | None, devices) -> dict:
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jtopoep.config import load_config
     from jtopoep.layer import ExpertParam
-    from jtopoep.topology import EP_AXES, make_mesh
-    from models.moe_transformer import MoETransformer
+    from jtopoep.topology import make_mesh
+    from models.moe_transformer import EXPERT_SPEC, MoETransformer
     from train.loop import make_optimizer, make_train_step
 
-    config = load_config(RUNS["h100"], _overrides(RUNS["h100"], layers, scan, remat))
+    config = _config("h100", layers, scan, remat)
     topology = config.topology.to_topology()
     with gpu_target.answering_as(devices):
         mesh = make_mesh(topology, devices=devices)
@@ -99,7 +99,7 @@ def measure_h100(layers: int, scan: bool, remat: str | None, devices) -> dict:
                 if isinstance(node, nnx.Variable):
                     value = node.get_value()
                     split = any(tuple(path[-len(p):]) == p and value.shape == shape for p, shape in experts.items())
-                    sharding = NamedSharding(mesh, P(None, EP_AXES) if split else P())
+                    sharding = NamedSharding(mesh, EXPERT_SPEC if split else P())
                     node.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
         t = config.train
         tokens = jax.ShapeDtypeStruct((t.microbatches, t.batch_size // t.microbatches, config.model.seq_len + 1),

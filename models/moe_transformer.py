@@ -13,13 +13,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jtopoep.config import ModelConfig, MoEConfig
 from jtopoep.guests import GuestCopies
 from jtopoep.layer import MoELayer
-from jtopoep.topology import Topology
+from jtopoep.topology import EP_AXES, Topology
+
+# The expert weights' layout: stacked over the MoE layers, each layer's experts split over the
+# expert-parallel axes [layers, E, ...].
+EXPERT_SPEC = P(None, EP_AXES)
 
 
 def rotary(x: Float[Array, "B L N H"], theta: float) -> Float[Array, "B L N H"]:

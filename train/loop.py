@@ -31,8 +31,8 @@ from jtopoep.costmodel import MIGRATED_BYTES_PER_ELEMENT
 from jtopoep.layer import ExpertParam
 from jtopoep.migration import rehome
 from jtopoep.router import bias_update
-from jtopoep.topology import EP_AXES, make_mesh
-from models.moe_transformer import MoETransformer
+from jtopoep.topology import make_mesh
+from models.moe_transformer import EXPERT_SPEC, MoETransformer
 from train import records, run_folder
 from train.checkpoint import Checkpointer
 from train.data import ByteDataset
@@ -87,7 +87,7 @@ def create_sharded_model(config: RunConfig, topology, mesh) -> MoETransformer:
     one device: DeepSeek-V2-Lite's experts alone are 58 GB in float32, more than an H800 holds. In a
     multi-host run every process computes just its own shards, where moving a host-local model onto
     devices of other processes is not possible at all."""
-    experts = NamedSharding(mesh, P(None, EP_AXES))  # [layers, E, ...]: the MoE layers are stacked
+    experts = NamedSharding(mesh, EXPERT_SPEC)
     replicated = NamedSharding(mesh, P())
 
     @nnx.jit
