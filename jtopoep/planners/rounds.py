@@ -3,8 +3,10 @@
 One round lays the items (experts, or pieces of experts bound for a node) end to end on a line,
 largest first, and the bins (ranks, or nodes) likewise, and gives each bin the items its interval
 overlaps, by how much they overlap: so each piece either fills a bin or ends an item, and a round
-makes at most (items + bins) pieces. Each node gets a line of its own (its experts or the pieces
-bound for it, against its ranks), all nodes at once as rows. A sort along rows, prefix sums and
+makes at most (items + bins) pieces; where those would outnumber the free guest slots, a round
+instead gives each bin one item, the j-th largest to the j-th largest (pair_off). Each node gets a
+line of its own (its experts or the pieces bound for it, against its ranks), all nodes at once as
+rows. A sort along rows, prefix sums and
 comparisons within rows per round: no loop whose trip count grows with the ranks, the experts or
 the copies.
 """
@@ -16,13 +18,18 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Int
 
 from jtopoep.ordering import descending_key, key_range, stable_order
 from jtopoep.planners.arrays import (carry_like, exclusive_prefix_sum, order_by, overlap, prefix_sum, scatter_add,
                                      segmented_prefix_sum)
 from jtopoep.planners.problem import CopyProblem, Pricing, Shipped, paying_pieces, ship, spill_per_expert
 
+
+# The most an expert may spill, in ranks' worth of the largest room, for ranks to take one piece each
+# where slots are scarce (slots_are_scarce): with up to two ranks' worth a piece, pairing placed the
+# benchmark's loads as well as the layout or better; a hotter expert needs more ranks a round.
+PAIRED_SPILL_PER_ROOM = 2
 
 # Up to this many bins in a row, their places on the line come from comparing every pair (B^2 work in
 # a few fused kernels); past it, from a sort and a binary search.
@@ -68,6 +75,22 @@ def match(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Array, 
     lo = hi - jnp.take_along_axis(length, safe, 1).reshape(index.shape)
     amount = jnp.where(index < num_items, overlap(lo, hi, bin_lo[:, :, None], bin_hi[:, :, None]), 0)
     return jnp.take_along_axis(line, safe, 1).reshape(index.shape), amount
+
+
+def pair_off(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Array, "S B"]
+             ) -> tuple[Int[Array, "S B 1"], Int[Array, "S B 1"]]:
+    """(item, pairs) for each bin: within each row, the j-th largest bin takes the j-th largest item,
+    up to the smaller of the two (ties to the lower id, bins to the lower column). Unlike match, no
+    item's remainder runs on into the next bin, where it would take a slot for a sliver: what an
+    item has left waits for the next round."""
+    num_ids, num_items = size.shape[0], rows.shape[1]
+    num_bins = bin_size.shape[1]
+    line = jnp.sort(descending_key(size[rows], key_range(num_ids)) * num_ids + rows, axis=1) % num_ids  # [S, n]
+    order = stable_order(descending_key(bin_size, key_range(bin_size.size)), key_range(bin_size.size))  # by room
+    rank = stable_order(order, num_bins)  # each bin's place in that order
+    item = jnp.take_along_axis(line, jnp.minimum(rank, num_items - 1), 1)
+    amount = jnp.where(rank < num_items, jnp.minimum(size[item], bin_size), 0)
+    return item[:, :, None], amount[:, :, None]
 
 
 class Copies(NamedTuple):
@@ -184,13 +207,32 @@ def within_nodes(copies: Copies, problem: CopyProblem, placement, gpus_per_node:
 
 
 def onto_ranks_of_nodes(piece_expert: Int[Array, " P"], piece_amount: Int[Array, " P"], node_pieces: Int[Array, "N n"],
-                        room: Int[Array, " R"], gpus_per_node: int, slots: int):
+                        room: Int[Array, " R"], gpus_per_node: int, slots: int, paired: Bool[Array, ""] | bool = False):
     """Proposals [R, K] that spread pieces (expert, pairs) over the ranks of the node each is bound
     for (row n of node_pieces: the pieces bound for node n): the node's pieces against its ranks'
-    room, both largest first."""
+    room, both largest first; laid end to end (match), or where `paired`, one piece a rank (pair_off)."""
     num_ranks = room.shape[0]
-    item, amount = match(piece_amount, node_pieces, room.reshape(num_ranks // gpus_per_node, gpus_per_node), slots)
+    node_room = room.reshape(num_ranks // gpus_per_node, gpus_per_node)
+    item, amount = match(piece_amount, node_pieces, node_room, slots)
+    if paired is not False:
+        one_item, one_amount = (jnp.pad(x, ((0, 0), (0, 0), (0, slots - 1)))
+                                for x in pair_off(piece_amount, node_pieces, node_room))
+        item, amount = jnp.where(paired, one_item, item), jnp.where(paired, one_amount, amount)
     return piece_expert[item].reshape(num_ranks, slots), amount.reshape(num_ranks, slots)
+
+
+def slots_are_scarce(copies: Copies, problem: CopyProblem, placement) -> Bool[Array, ""]:
+    """Whether ranks should take one piece each (pair_off) rather than the spill laid end to end over
+    them (match): where the layout could cut the spill into more pieces (items + ranks - 1, over the
+    ranks with room) than those ranks have free slots, slivers at the ranks' edges would take slots
+    that whole pieces need (a node's hot experts all spilling onto the other nodes' ranks). Not where
+    an expert spills more than PAIRED_SPILL_PER_ROOM times the largest room: its pieces then need
+    many ranks in one round, which the layout gives them."""
+    room = copies.open_room(problem, placement)
+    bins = (room > 0).sum()
+    free_slots = jnp.where(room > 0, copies.guests.shape[1] - copies.used, 0).sum()
+    spill = copies.spill(problem, placement)
+    return ((spill > 0).sum() + bins - 1 > free_slots) & (spill.max() <= PAIRED_SPILL_PER_ROOM * room.max())
 
 
 def onto_nodes(spill: Int[Array, " E"], room: Int[Array, " R"], gpus_per_node: int, slots: int):
@@ -237,18 +279,16 @@ def onto_demand(copies: Copies, problem: CopyProblem, placement, gpus_per_node: 
                                gpus_per_node, width)
 
 
-__all__ = ["Copies", "match", "onto_demand", "onto_nodes", "onto_ranks_of_nodes", "place", "within_nodes"]
-
-
 def across_nodes(copies: Copies, problem: CopyProblem, placement, pricing: Pricing | None, held, gpus_per_node: int,
                  rounds: int) -> Copies:
     """`rounds` rounds of, decided together and priced at once: top up the room left behind full
     slots; what spills, onto the nodes with most room, then onto each node's ranks with most room
-    (over-shedding into last slots). Each round places what the rounds before left for want of a
-    free slot or of room; one with
-    nothing left to place changes nothing, so the loop may stop once no spill is left
+    (over-shedding into last slots), laid end to end or, where slots are scarce at the start, one
+    piece a rank. Each round places what the rounds before left for want of a free slot or of room;
+    one with nothing left to place changes nothing, so the loop may stop once no spill is left
     (run_rounds). A loop of identical rounds, so it compiles once."""
     slots = copies.guests.shape[1]
+    scarce = slots_are_scarce(copies, problem, placement)
 
     def one_round(copies):
         # Top-ups go to ranks whose slots are full, the spill to ranks with a free slot: one
@@ -256,7 +296,7 @@ def across_nodes(copies: Copies, problem: CopyProblem, placement, pricing: Prici
         full_expert, full_amount = top_up(copies, problem, placement)
         room = copies.open_room(problem, placement)
         pieces = onto_nodes(copies.spill(problem, placement), room, gpus_per_node, slots)
-        open_expert, open_amount = onto_ranks_of_nodes(*pieces, room, gpus_per_node, slots)
+        open_expert, open_amount = onto_ranks_of_nodes(*pieces, room, gpus_per_node, slots, paired=scarce)
         expert = jnp.concatenate([full_expert, open_expert], 1)
         amount = jnp.concatenate([full_amount, open_amount], 1)
         amount = share_out(expert.reshape(-1), amount.reshape(-1), copies.kept).reshape(amount.shape)
@@ -283,3 +323,7 @@ def run_rounds(one_round, carry, busy, rounds: int):
         return jax.lax.fori_loop(0, rounds, lambda _, c: one_round(c), c)
 
     return jax.lax.platform_dependent(carry, default=fixed, **{name: early for name in EARLY_EXIT_PLATFORMS})
+
+
+__all__ = ["Copies", "across_nodes", "match", "onto_demand", "onto_nodes", "onto_ranks_of_nodes", "pair_off", "place",
+           "run_rounds", "slots_are_scarce", "within_nodes"]

@@ -7,7 +7,8 @@
    (topology.link_cost); the plan F[n, m] says how much of node n's spill node m should take;
 3. rounding: each node's spilling experts (largest first) are laid against its row of floor(F)
    (largest first), so every flow is cut into pieces of whole experts (rounds.match), and each
-   node's pieces against its ranks' room; then topoep's rounds across nodes place what the rounding
+   node's pieces against its ranks' room (one piece a rank where slots are scarce:
+   rounds.slots_are_scarce); then topoep's rounds across nodes place what the rounding
    left (rounds.across_nodes);
 4. every round prices its copies at once (problem.paying_pieces), and tokens follow the
    locality-tiered routing (routing.plan_from_quotas).
@@ -26,7 +27,8 @@ import jax.numpy as jnp
 
 from jtopoep.planners.base import CopyingPlanner
 from jtopoep.planners.problem import CopyProblem
-from jtopoep.planners.rounds import Copies, across_nodes, match, onto_ranks_of_nodes, place, within_nodes
+from jtopoep.planners.rounds import (Copies, across_nodes, match, onto_ranks_of_nodes, place, slots_are_scarce,
+                                     within_nodes)
 from jtopoep.planners.topoep import ACROSS_ROUNDS
 from jtopoep.planners.sinkhorn import sinkhorn
 
@@ -74,6 +76,6 @@ class TaotPlanner(CopyingPlanner):
                 _, sources = jax.lax.top_k(flow.T.astype(jnp.float32), gpus)  # [to, G]
                 node_pieces = jnp.take_along_axis(node_pieces, sources[:, :, None], axis=1)
             proposals = onto_ranks_of_nodes(item.reshape(-1), amount.reshape(-1), node_pieces.reshape(nodes, -1), room,
-                                            gpus, slots)
+                                            gpus, slots, paired=slots_are_scarce(copies, problem, placement))
             copies = place(copies, *proposals, problem, placement, pricing, held, gpus, overshed=True)
         return across_nodes(copies, problem, placement, pricing, held, gpus, ACROSS_ROUNDS)

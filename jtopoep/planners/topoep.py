@@ -9,8 +9,10 @@
    copies travel over NVLink only;
 3. across nodes, then within each node, in ACROSS_ROUNDS rounds: the spill left against the nodes'
    room, largest first, so a hot expert's copies fill few nodes (its weights cross to few of them);
-   then each node's share against its ranks' room; beside it, ranks whose guest slots are full take
-   more of their guests' pairs (rounds.top_up), which opens room on the homes for the next round;
+   then each node's share against its ranks' room (one piece a rank where the spill's pieces would
+   outnumber the free slots: rounds.slots_are_scarce); beside it, ranks whose guest slots are full
+   take more of their guests' pairs (rounds.top_up), which opens room on the homes for the next
+   round;
 4. every round prices its copies at once by the cost model's rule (problem.paying_pieces); what no
    copy takes stays at home;
 5. each home slot keeps what its copies do not take; sources feed copies on their own node first,
