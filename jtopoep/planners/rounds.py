@@ -6,9 +6,8 @@ overlaps, by how much they overlap: so each piece either fills a bin or ends an 
 makes at most (items + bins) pieces; where those would outnumber the free guest slots, a round
 instead gives each bin one item, the j-th largest to the j-th largest (pair_off). Each node gets a
 line of its own (its experts or the pieces bound for it, against its ranks), all nodes at once as
-rows. A sort along rows, prefix sums and
-comparisons within rows per round: no loop whose trip count grows with the ranks, the experts or
-the copies.
+rows. A sort along rows, prefix sums and comparisons within rows per round: no loop whose trip
+count grows with the ranks, the experts or the copies.
 """
 
 from __future__ import annotations
@@ -36,6 +35,22 @@ PAIRED_SPILL_PER_ROOM = 2
 _COMPARED_BINS = 16
 
 
+def _items_largest_first(size: Int[Array, " I"], rows: Int[Array, "S n"]) -> Int[Array, "S n"]:
+    """Each row's items, largest first, ties to the lower id: ordering.stable_order's packing by id,
+    one sort of each row's packed keys."""
+    num_ids = size.shape[0]
+    return jnp.sort(descending_key(size[rows], key_range(num_ids)) * num_ids + rows, axis=1) % num_ids
+
+
+def _bins_largest_first(bin_size: Int[Array, "S B"]) -> tuple[Int[Array, "S B"], Int[Array, "S B"]]:
+    """(order, place): each row's bins largest first, ties to the lower column, and each bin's place
+    in that order (the order sorted back, where a scatter would be a loop over its updates on
+    XLA:CPU's loop emitters)."""
+    bound = key_range(bin_size.size)
+    order = stable_order(descending_key(bin_size, bound), bound)
+    return order, stable_order(order, bin_size.shape[1])
+
+
 def match(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Array, "S B"], width: int
           ) -> tuple[Int[Array, "S B W"], Int[Array, "S B W"]]:
     """(item, pairs) of the first `width` items each bin's interval overlaps, and by how much (0
@@ -46,14 +61,12 @@ def match(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Array, 
     One sort of each row's packed keys, a prefix sum along rows, and each bin's place on the line:
     where a row's bins are few (a node's ranks), from comparing them all; where they are many (the
     nodes, at scale), from a sort of the row and a binary search, whose work grows as B log B, not B^2."""
-    num_ids, (num_rows, num_items), num_bins = size.shape[0], rows.shape, bin_size.shape[1]
-    bound = key_range(num_ids)
-    # ordering.stable_order's packing, by id: the same order as argsort of (descending size, id).
-    line = jnp.sort(descending_key(size[rows], bound) * num_ids + rows, axis=1) % num_ids  # [S, n]
+    (num_rows, num_items), num_bins = rows.shape, bin_size.shape[1]
+    line = _items_largest_first(size, rows)
     length = size[line]
     item_hi = prefix_sum(length, 1)
-    key = descending_key(bin_size, key_range(bin_size.size))
     if num_bins <= _COMPARED_BINS:
+        key = descending_key(bin_size, key_range(bin_size.size))
         column = jnp.arange(num_bins)
         ahead = (key[:, None, :] < key[:, :, None]) | ((key[:, None, :] == key[:, :, None])
                                                      & (column[None, None, :] < column[None, :, None]))  # [S, B, B]
@@ -61,11 +74,9 @@ def match(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Array, 
         first = (item_hi[:, None, :] <= bin_lo[:, :, None]).sum(2, dtype=jnp.int32)  # items wholly before it
     else:
         # The same order (descending size, ties to the lower column), one sort per row.
-        order = stable_order(key, key_range(bin_size.size))
+        order, place = _bins_largest_first(bin_size)
         before = exclusive_prefix_sum(jnp.take_along_axis(bin_size, order, 1), 1)
-        # Back to column order by sorting the order itself (a sort, where a scatter would be a loop
-        # over its updates on XLA:CPU's loop emitters).
-        bin_lo = jnp.take_along_axis(before, stable_order(order, num_bins), 1)
+        bin_lo = jnp.take_along_axis(before, place, 1)
         first = jax.vmap(functools.partial(jnp.searchsorted, side="right", method="scan_unrolled"))(
             item_hi, bin_lo).astype(jnp.int32)
     bin_hi = bin_lo + bin_size
@@ -83,13 +94,10 @@ def pair_off(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Arra
     up to the smaller of the two (ties to the lower id, bins to the lower column). Unlike match, no
     item's remainder runs on into the next bin, where it would take a slot for a sliver: what an
     item has left waits for the next round."""
-    num_ids, num_items = size.shape[0], rows.shape[1]
-    num_bins = bin_size.shape[1]
-    line = jnp.sort(descending_key(size[rows], key_range(num_ids)) * num_ids + rows, axis=1) % num_ids  # [S, n]
-    order = stable_order(descending_key(bin_size, key_range(bin_size.size)), key_range(bin_size.size))  # by room
-    rank = stable_order(order, num_bins)  # each bin's place in that order
-    item = jnp.take_along_axis(line, jnp.minimum(rank, num_items - 1), 1)
-    amount = jnp.where(rank < num_items, jnp.minimum(size[item], bin_size), 0)
+    num_items = rows.shape[1]
+    _, place = _bins_largest_first(bin_size)
+    item = jnp.take_along_axis(_items_largest_first(size, rows), jnp.minimum(place, num_items - 1), 1)
+    amount = jnp.where(place < num_items, jnp.minimum(size[item], bin_size), 0)
     return item[:, :, None], amount[:, :, None]
 
 
@@ -214,7 +222,7 @@ def onto_ranks_of_nodes(piece_expert: Int[Array, " P"], piece_amount: Int[Array,
     num_ranks = room.shape[0]
     node_room = room.reshape(num_ranks // gpus_per_node, gpus_per_node)
     item, amount = match(piece_amount, node_pieces, node_room, slots)
-    if paired is not False:
+    if paired is not False:  # both, and a select on device: a lax.cond would have XLA:GPU read `paired` on the host
         one_item, one_amount = (jnp.pad(x, ((0, 0), (0, 0), (0, slots - 1)))
                                 for x in pair_off(piece_amount, node_pieces, node_room))
         item, amount = jnp.where(paired, one_item, item), jnp.where(paired, one_amount, amount)
