@@ -26,8 +26,8 @@ from jtopoep.planners.problem import CopyProblem, Pricing, Shipped, paying_piece
 
 
 # The most an expert may spill, in ranks' worth of the largest room, for ranks to take one piece each
-# where slots are scarce (slots_are_scarce): with up to two ranks' worth a piece, pairing placed the
-# benchmark's loads as well as the layout or better; a hotter expert needs more ranks a round.
+# where slots are scarce (slots_are_scarce): a hotter expert needs several ranks in one round, which
+# only the layout end to end gives it.
 PAIRED_SPILL_PER_ROOM = 2
 
 # Up to this many bins in a row, their places on the line come from comparing every pair (B^2 work in
