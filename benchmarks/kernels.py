@@ -3,7 +3,8 @@
 On a GPU the planners are chains of small dependent kernels, and their latency follows the kernel
 count, not the arithmetic (`benchmarks/results/gpu/`: on one H200 at R = 32, topoep, taot and eplb
 took 1.2-1.7 ms where the `none` planner's call took 0.13). This compiles each planner as the GPU
-runs it (rounds.run_rounds' loop at its full static trip count, not the CPU's early exit) with
+runs it (rounds.run_rounds' loop at its full static trip count, not the CPU's early exit, and the
+pairwise orders of arrays.pairwise_or_sorted, not the CPU's sorts) with
 XLA:CPU, and counts the compiled program's kernels: every instruction of the entry computation
 but parameters, constants, tuples and bitcasts, and each loop's body times its trip count. XLA:GPU
 fuses differently from XLA:CPU, so the count is a proxy; `--calibrate FILE` fits
@@ -33,7 +34,7 @@ import numpy as np
 from benchmarks.planners import in_layer, make
 from benchmarks.scale import GPUS, loads
 from jtopoep.config import TopologyConfig
-from jtopoep.planners import rounds
+from jtopoep.planners import arrays, rounds
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 RANKS = (8, 32, 64, 128, 256, 512, 1024)
@@ -117,15 +118,16 @@ def planner_kernels(name: str, num_ranks: int, device=None) -> tuple[int, float]
         sample = jax.numpy.asarray(sample)
     else:
         sample = jax.ShapeDtypeStruct(sample.shape, jax.numpy.int32, sharding=jax.sharding.SingleDeviceSharding(device))
-    saved = rounds.EARLY_EXIT_PLATFORMS
-    rounds.EARLY_EXIT_PLATFORMS = ()  # compile the loop the GPU runs
+    saved = rounds.EARLY_EXIT_PLATFORMS, arrays.SORTED_ORDER_PLATFORMS
+    # Compile the loop and the forms the GPU runs: the full static trip count, the pairwise orders.
+    rounds.EARLY_EXIT_PLATFORMS, arrays.SORTED_ORDER_PLATFORMS = (), ()
     try:
         lowered = jax.jit(in_layer(make(name, topology, num_experts, 2, 0.0))).lower(sample)
         start = time.perf_counter()
         hlo = lowered.compile().as_text()
         seconds = time.perf_counter() - start
     finally:
-        rounds.EARLY_EXIT_PLATFORMS = saved
+        rounds.EARLY_EXIT_PLATFORMS, arrays.SORTED_ORDER_PLATFORMS = saved
     return kernel_count(hlo), seconds
 
 

@@ -441,6 +441,36 @@ def test_rounds_that_stop_early_give_the_same_plans(monkeypatch):
                     assert np.array_equal(np.asarray(a), np.asarray(b)), (name, kind, seed)
 
 
+@pytest.mark.parametrize("name", ["topoep", "taot"])
+def test_the_pairwise_forms_gpus_run_give_the_same_plans(name, monkeypatch):
+    """Where proposals are few, GPUs decide which pay, and share out each home's pairs, from an
+    [n, n] comparison of which proposal comes first (arrays.pairwise_or_sorted); XLA:CPU sorts them.
+    Both give the same plans, pricing on (at a real expert's size, where it refuses copies; with and
+    without held copies) and off."""
+    from jtopoep.costmodel import ExpertDims
+    from jtopoep.planners import arrays
+
+    real = ExpertDims(d_model=2048, expert_hidden=1408, bytes_per_element=2)
+    planners = [get_planner(name, topology=TOPO, num_experts=8 * R, guest_slots=2, dims=real, price_transfers=priced)
+                for priced in (True, False)]
+    rng = np.random.default_rng(5)
+    cases = [(adversarial(kind, 8 * R, 300 + 97 * seed, seed), held)
+             for kind in KINDS for seed in range(2) for held in (None, rng.integers(-1, 8 * R, (R, 2)))]
+
+    def plans():
+        out = []
+        for planner in planners:
+            quotas = jax.jit(lambda c, h, p=planner: p.quotas(c, None, h))
+            out += [[np.asarray(x) for x in quotas(jnp.asarray(c), None if h is None else jnp.asarray(h, jnp.int32))]
+                    for c, h in cases]
+        return out
+
+    sorted_plans = plans()
+    monkeypatch.setattr(arrays, "SORTED_ORDER_PLATFORMS", ())
+    for a, b in zip(sorted_plans, plans(), strict=True):
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_array_equal(a[1], b[1])
+
 def test_the_first_copies_go_to_the_nodes_whose_sources_send_the_spilled_pairs():
     """Expert 0 (home rank 0, node 0) spills; node 2's sources send it pairs and node 1's none, and
     both have room: the demand round proposes its copies on node 2 only, up to what node 2 sends,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Int
 
 from jtopoep.ordering import descending_key, key_range, stable_order
 
@@ -124,6 +124,37 @@ def order_by(segment: Int[Array, " n"], num_segments: int, largest_first: Int[Ar
     if num_segments == 1:
         return order
     return order[stable_order(segment[order], num_segments)]
+
+
+# Up to this many entries, which entries come before which in an order_by order is one [n, n]
+# comparison that fuses into each use (earlier_in_segment), instead of the sorts, scatters and gathers
+# that carry the order (several kernels each, on a GPU each a launch): 64k compares cost less than
+# the launches they replace, while n^2 work past it would not.
+PAIRWISE_LIMIT = 256
+# Platforms that keep the sorts at every size: XLA:CPU's reductions over an [n, n] comparison take
+# longer than its few small kernels for the sorts and scatters.
+SORTED_ORDER_PLATFORMS: tuple[str, ...] = ("cpu",)
+
+
+def pairwise_or_sorted(num: int, pairwise, in_sorted_order, *args):
+    """pairwise(*args) for num entries up to PAIRWISE_LIMIT, except on SORTED_ORDER_PLATFORMS;
+    else in_sorted_order(*args): two forms of one result, chosen when the program is compiled."""
+    if num > PAIRWISE_LIMIT:
+        return in_sorted_order(*args)
+    return jax.lax.platform_dependent(*args, default=pairwise, **{p: in_sorted_order for p in SORTED_ORDER_PLATFORMS})
+
+
+def earlier_in_segment(segment: Int[Array, " n"], largest_first: Int[Array, " n"] | None = None
+                       ) -> Bool[Array, "n n"]:
+    """[p, q]: whether entry q shares entry p's segment and comes before it in order_by(segment, _,
+    largest_first)'s order (largest_first descending as order_by keys it, ties to the lower index)."""
+    n = segment.shape[0]
+    index = jnp.arange(n, dtype=jnp.int32)
+    ahead = index[None, :] < index[:, None]
+    if largest_first is not None:
+        key = descending_key(largest_first, key_range(n))
+        ahead = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None]) & ahead)
+    return (segment[None, :] == segment[:, None]) & ahead
 
 
 def segmented_prefix_sum(x: Int[Array, "n *c"], segment: Int[Array, " n"], num_segments: int) -> Int[Array, "n *c"]:

@@ -15,7 +15,8 @@ from jaxtyping import Array, Bool, Float, Int
 from jtopoep.costmodel import EXCHANGES_PER_LAYER, ExpertDims, copy_break_even_pairs
 from jtopoep.ordering import inverse_permutation
 from jtopoep.plan import home_rank_of_experts
-from jtopoep.planners.arrays import ceil_div, order_by, scatter_set, segmented_prefix_sum
+from jtopoep.planners.arrays import (ceil_div, earlier_in_segment, order_by, pairwise_or_sorted,
+                                     scatter_set, segmented_prefix_sum)
 from jtopoep.topology import Topology
 
 
@@ -132,13 +133,13 @@ def _exposed(copies, shed, rank_loads, pricing: Pricing):
 
 
 def _home_transfers(expert, dest, amount, new, held, problem: CopyProblem, shipped: Shipped, gpus_per_node: int,
-                    rank=None):
+                    rank=None, before=None):
     """[P, 4] the transfers each copy adds at its home rank (Shipped.copies' columns): over NVLink to
-    its own node; across nodes only for the first copy of its expert on a node not yet reached
-    (first in `rank` order, default index order), the relay serving the others: its gradients, and
-    its weights if it is the first there that does not hold them already."""
+    its own node; across nodes only for the first copy of its expert on a node not yet reached, the
+    relay serving the others: its gradients, and its weights if it is the first there that does not
+    hold them already. First in `rank` order, or where `before` [P, P] is given, in its order
+    (before[p, q]: q comes first; it must order each home's copies); by default in index order."""
     num = expert.shape[0]
-    rank = jnp.arange(num, dtype=jnp.int32) if rank is None else rank
     home = problem.home_rank[jnp.maximum(expert, 0)]
     node = dest // gpus_per_node
     across = (home // gpus_per_node) != node
@@ -147,8 +148,11 @@ def _home_transfers(expert, dest, amount, new, held, problem: CopyProblem, shipp
     crossing = ships & across & ~shipped.reached.reshape(-1)[key]
 
     def first_of_key(candidate):
-        first = jnp.full(shipped.reached.size, num, jnp.int32).at[key].min(jnp.where(candidate, rank, num))
-        return candidate & (first[key] == rank)
+        if before is not None:
+            return candidate & ~(before & candidate[None, :] & (key[None, :] == key[:, None])).any(1)
+        ranks = jnp.arange(num, dtype=jnp.int32) if rank is None else rank
+        first = jnp.full(shipped.reached.size, num, jnp.int32).at[key].min(jnp.where(candidate, ranks, num))
+        return candidate & (first[key] == ranks)
 
     local = ships & ~across
     transfers = [local & ~held, first_of_key(crossing & ~held), local, first_of_key(crossing)]
@@ -167,41 +171,78 @@ def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[
     Each home rank's proposals are taken largest first while each pays: its GEMM seconds saved at
     least the rise of the largest exposed transfer (forward and backward) once it and the larger ones
     are made. Larger proposals pay first, so a home's accepted ones are a prefix of its list."""
+    num = expert.shape[0]
     if pricing is None:
         made = amount > 0
-        return made, _home_transfers(expert, dest, amount, new & made, held, problem, shipped, gpus_per_node)
+        return made, pairwise_or_sorted(
+            num, lambda: _home_transfers(expert, dest, amount, new & made, held, problem, shipped, gpus_per_node,
+                                         before=earlier_in_segment(jnp.zeros(num, jnp.int32))),
+            lambda: _home_transfers(expert, dest, amount, new & made, held, problem, shipped, gpus_per_node))
+    return pairwise_or_sorted(num, lambda: _decide(expert, dest, amount, new, held, problem, shipped, pricing,
+                                                   gpus_per_node, True),
+                              lambda: _decide(expert, dest, amount, new, held, problem, shipped, pricing,
+                                              gpus_per_node, False))
+
+
+def _decide(expert, dest, amount, new, held, problem: CopyProblem, shipped: Shipped, pricing: Pricing,
+            gpus_per_node: int, pairwise: bool):
+    """paying_pieces with pricing: each home's proposals in its order as an [P, P] mask of which come
+    first (pairwise), or sorted into it."""
     num = expert.shape[0]
     home = problem.home_rank[jnp.maximum(expert, 0)]
     across = (home // gpus_per_node) != (dest // gpus_per_node)
     num_ranks = problem.rank_loads.shape[0]
-    order = order_by(jnp.where(amount > 0, home, num_ranks), num_ranks + 1, jnp.maximum(amount, 0))
-    # Each (expert, node)'s largest copy is the one that crosses; the rank of each copy in that order:
-    position = inverse_permutation(order)
-    kinds = _home_transfers(expert, dest, amount, new, held, problem, shipped, gpus_per_node, position)
-    home_s, amount_s, kinds_s = home[order], amount[order], kinds[order]
-    segment = jnp.where(amount > 0, home, num_ranks)[order]
-    # Pairs shed and transfers made so far at each home, one segmented pass over both.
-    running = segmented_prefix_sum(jnp.concatenate([jnp.maximum(amount_s, 0)[:, None], kinds_s], 1), segment,
-                                   num_ranks + 1)
+    segment = jnp.where(amount > 0, home, num_ranks)
+    if pairwise:
+        # Few proposals: each stays in its place, and each home's order is the mask of which of its
+        # proposals come first (largest first), every use of it one fused comparison.
+        before = earlier_in_segment(segment, jnp.maximum(amount, 0))
+        kinds = _home_transfers(expert, dest, amount, new, held, problem, shipped, gpus_per_node, before=before)
+        values = jnp.concatenate([jnp.maximum(amount, 0)[:, None], kinds], 1)
+        running = values + jnp.where(before[:, :, None], values[None, :, :], 0).sum(1)
+        home_s, amount_s, kinds_s, across_s = home, amount, kinds, across
+
+        def after_a_refusal(pays):
+            return (before & ~pays[None, :]).any(1)
+
+        def in_place(x):
+            return x
+    else:
+        # Many: sorted by home, largest first; each (expert, node)'s largest copy is the one that
+        # crosses, and the rank of each copy in that order:
+        order = order_by(segment, num_ranks + 1, jnp.maximum(amount, 0))
+        kinds = _home_transfers(expert, dest, amount, new, held, problem, shipped, gpus_per_node,
+                                inverse_permutation(order))
+        home_s, amount_s, kinds_s, across_s, segment_s = home[order], amount[order], kinds[order], across[order], \
+            segment[order]
+        # Pairs shed and transfers made so far at each home, one segmented pass over both.
+        running = segmented_prefix_sum(jnp.concatenate([jnp.maximum(amount_s, 0)[:, None], kinds_s], 1), segment_s,
+                                       num_ranks + 1)
+        sorted_index = jnp.arange(num, dtype=jnp.int32)
+
+        def after_a_refusal(pays):
+            first_refused = jnp.full(num_ranks + 1, num, jnp.int32).at[segment_s].min(jnp.where(pays, num, sorted_index))
+            return sorted_index >= first_refused[segment_s]
+
+        def in_place(x):
+            return jnp.zeros_like(x).at[order].set(x, unique_indices=True)
     shed = running[:, 0] + shipped.shed[home_s]
     copies = running[:, 1:] + shipped.copies[home_s]
     loads = problem.rank_loads[home_s]
     others = _node_others(shipped.copies, home_s, gpus_per_node)
     after = _exposed(_over_links(copies, others, gpus_per_node), shed, loads, pricing)
-    before = _exposed(_over_links(copies - kinds_s, others, gpus_per_node), shed - amount_s, loads, pricing)
+    before_s = _exposed(_over_links(copies - kinds_s, others, gpus_per_node), shed - amount_s, loads, pricing)
     # A copy saves the GEMM time of its pairs on the home rank, and the home's scale-out receive of
     # them (its remote share: the copy is fed by its own node's pairs first), which sets the
     # exchange term where hot experts' homes receive the most.
     gain = amount_s.astype(jnp.float32) * (pricing.pair_s + problem.remote_share[home_s] * pricing.pair_exchange_s)
-    least = jnp.where(across[order], pricing.least_pairs[1], pricing.least_pairs[0])
-    sorted_index = jnp.arange(num, dtype=jnp.int32)
+    least = jnp.where(across_s, pricing.least_pairs[1], pricing.least_pairs[0])
 
     def accepted(floors):
-        rise = sum(jnp.maximum(a, m) - jnp.maximum(b, m) for a, b, m in zip(after, before, floors))
+        rise = sum(jnp.maximum(a, m) - jnp.maximum(b, m) for a, b, m in zip(after, before_s, floors))
         pays = (amount_s > 0) & (gain >= rise) & (amount_s >= least)
         # A home's proposals after one that does not pay are not made either.
-        first_refused = jnp.full(num_ranks + 1, num, jnp.int32).at[segment].min(jnp.where(pays, num, sorted_index))
-        return pays & (sorted_index < first_refused[segment])
+        return pays & ~after_a_refusal(pays)
 
     # The cost model charges the most exposed rank. First each home's copies are judged against the
     # maxima the copies already made leave; then again against the maxima those accepted ones reach
@@ -214,9 +255,8 @@ def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[
     made = accepted(floors)
     # A home's accepted copies are the largest of its list, so each (expert, node)'s first one in
     # that order, the one counted as crossing, is made whenever any of them is.
-    decided = jnp.concatenate([made[:, None], kinds_s], 1) * made[:, None]
-    unsorted = jnp.zeros((num, 5), jnp.int32).at[order].set(decided, unique_indices=True)
-    return unsorted[:, 0] > 0, unsorted[:, 1:]
+    decided = in_place(jnp.concatenate([made[:, None], kinds_s], 1) * made[:, None])
+    return decided[:, 0] > 0, decided[:, 1:]
 
 
 def ship(shipped: Shipped, expert, dest, amount, new, kinds, problem: CopyProblem, gpus_per_node: int) -> Shipped:

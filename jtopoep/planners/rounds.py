@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
 from jtopoep.ordering import descending_key, key_range, stable_order
-from jtopoep.planners.arrays import (carry_like, exclusive_prefix_sum, order_by, overlap, prefix_sum, scatter_add,
-                                     segmented_prefix_sum)
+from jtopoep.planners.arrays import (carry_like, earlier_in_segment, exclusive_prefix_sum, order_by, overlap,
+                                     pairwise_or_sorted, prefix_sum, scatter_add, segmented_prefix_sum)
 from jtopoep.planners.problem import CopyProblem, Pricing, Shipped, paying_pieces, ship, spill_per_expert
 
 
@@ -138,11 +138,19 @@ class Copies(NamedTuple):
 def share_out(expert: Int[Array, " P"], want: Int[Array, " P"], available: Int[Array, " E"]) -> Int[Array, " P"]:
     """What each of P wants of its expert's available pairs, first come first served."""
     segment = jnp.where(want > 0, expert, available.shape[0])
-    order = order_by(segment, available.shape[0] + 1)
-    in_order = want[order]
-    before = segmented_prefix_sum(in_order, segment[order], available.shape[0] + 1) - in_order
-    granted = jnp.clip(available[jnp.maximum(expert[order], 0)] - before, 0, in_order)
-    return jnp.zeros_like(want).at[order].set(granted, unique_indices=True)
+
+    def pairwise(segment, want):
+        before = jnp.where(earlier_in_segment(segment), want[None, :], 0).sum(1)
+        return jnp.clip(available[jnp.maximum(expert, 0)] - before, 0, want)
+
+    def in_sorted_order(segment, want):
+        order = order_by(segment, available.shape[0] + 1)
+        in_order = want[order]
+        before = segmented_prefix_sum(in_order, segment[order], available.shape[0] + 1) - in_order
+        granted = jnp.clip(available[jnp.maximum(expert[order], 0)] - before, 0, in_order)
+        return jnp.zeros_like(want).at[order].set(granted, unique_indices=True)
+
+    return pairwise_or_sorted(want.shape[0], pairwise, in_sorted_order, segment, want)
 
 
 def top_up(copies: Copies, problem: CopyProblem, placement) -> tuple[Int[Array, "R K"], Int[Array, "R K"]]:
