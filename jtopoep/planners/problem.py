@@ -14,15 +14,15 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jtopoep.costmodel import EXCHANGES_PER_LAYER, ExpertDims, copy_break_even_pairs
 from jtopoep.ordering import inverse_permutation
-from jtopoep.plan import home_rank_of_experts
 from jtopoep.planners.arrays import (ceil_div, earlier_in_segment, order_by, pairwise_or_sorted,
                                      scatter_set, segmented_prefix_sum)
 from jtopoep.topology import Topology
 
 
-def spill_per_expert(loads, placement, target, xp=jnp):
+def spill_per_expert(loads, placement, target, xp=jnp, home_slot=None):
     """[E] pairs above target on each rank, attributed to its home experts hottest first (ties to
-    the lower slot)."""
+    the lower slot). home_slot: [E] each expert's flat home slot (CopyProblem.home_slot), which
+    gathers the result where the placement would scatter it (a fused gather, not a kernel of its own)."""
     home_loads = loads[placement]  # [R, H]
     slot = xp.arange(placement.shape[1])
     mine, other = home_loads[:, :, None], home_loads[:, None, :]
@@ -32,6 +32,8 @@ def spill_per_expert(loads, placement, target, xp=jnp):
     before = (ahead * other).sum(2)
     excess = xp.maximum(home_loads.sum(1) - target, 0)[:, None]
     spill = xp.minimum(home_loads, xp.maximum(excess - before, 0))
+    if home_slot is not None:
+        return spill.reshape(-1)[home_slot].astype(loads.dtype)
     return scatter_set(loads.shape[0], placement.reshape(-1), spill.reshape(-1).astype(loads.dtype), xp)
 
 
@@ -43,6 +45,7 @@ class CopyProblem(NamedTuple):
     rank_loads: Int[Array, " R"]  # pairs of each rank's home experts
     target: Int[Array, ""]  # ceil(sum of loads / R): no plan's busiest rank can take fewer
     home_rank: Int[Array, " E"]
+    home_slot: Int[Array, " E"]  # each expert's home slot, flat: rank x H + slot
     remote_share: Float[Array, " R"]  # share of each rank's home pairs that come from other nodes
     node_loads: Int[Array, "N E"]  # pairs each node's sources send each expert
 
@@ -55,11 +58,13 @@ class CopyProblem(NamedTuple):
         loads = node_counts.sum(0)
         target = ceil_div(loads.sum(), num_ranks)
         rank_loads = loads[placement].sum(1)
-        home_rank = home_rank_of_experts(placement)
+        slots = placement.shape[1]
+        home_slot = scatter_set(loads.shape[0], placement.reshape(-1), jnp.arange(placement.size, dtype=jnp.int32))
+        home_rank = home_slot // slots
         own_node = (jnp.arange(num_ranks) // gpus_per_node)[:, None]
         remote = rank_loads - node_counts[own_node, placement].sum(1)
         share = remote.astype(jnp.float32) / jnp.maximum(rank_loads, 1).astype(jnp.float32)
-        return cls(loads, rank_loads, target, home_rank, share, node_counts)
+        return cls(loads, rank_loads, target, home_rank, home_slot, share, node_counts)
 
 
 class Pricing(NamedTuple):

@@ -51,6 +51,15 @@ def _bins_largest_first(bin_size: Int[Array, "S B"]) -> tuple[Int[Array, "S B"],
     return order, stable_order(order, bin_size.shape[1])
 
 
+def _bins_ahead(bin_size: Int[Array, "S B"]) -> Bool[Array, "S B B"]:
+    """[s, b, c]: whether bin c comes before bin b in its row, largest first, ties to the lower column:
+    a comparison of every pair, for rows of few bins (_COMPARED_BINS)."""
+    key = descending_key(bin_size, key_range(bin_size.size))
+    column = jnp.arange(bin_size.shape[1])
+    return (key[:, None, :] < key[:, :, None]) | ((key[:, None, :] == key[:, :, None])
+                                                 & (column[None, None, :] < column[None, :, None]))
+
+
 def match(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Array, "S B"], width: int
           ) -> tuple[Int[Array, "S B W"], Int[Array, "S B W"]]:
     """(item, pairs) of the first `width` items each bin's interval overlaps, and by how much (0
@@ -66,11 +75,7 @@ def match(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Array, 
     length = size[line]
     item_hi = prefix_sum(length, 1)
     if num_bins <= _COMPARED_BINS:
-        key = descending_key(bin_size, key_range(bin_size.size))
-        column = jnp.arange(num_bins)
-        ahead = (key[:, None, :] < key[:, :, None]) | ((key[:, None, :] == key[:, :, None])
-                                                     & (column[None, None, :] < column[None, :, None]))  # [S, B, B]
-        bin_lo = (ahead * bin_size[:, None, :]).sum(2)
+        bin_lo = (_bins_ahead(bin_size) * bin_size[:, None, :]).sum(2)
         first = (item_hi[:, None, :] <= bin_lo[:, :, None]).sum(2, dtype=jnp.int32)  # items wholly before it
     else:
         # The same order (descending size, ties to the lower column), one sort per row.
@@ -95,7 +100,10 @@ def pair_off(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Arra
     item's remainder runs on into the next bin, where it would take a slot for a sliver: what an
     item has left waits for the next round."""
     num_items = rows.shape[1]
-    _, place = _bins_largest_first(bin_size)
+    if bin_size.shape[1] <= _COMPARED_BINS:  # each bin's place: how many come before it
+        place = _bins_ahead(bin_size).sum(2, dtype=jnp.int32)
+    else:
+        _, place = _bins_largest_first(bin_size)
     item = jnp.take_along_axis(_items_largest_first(size, rows), jnp.minimum(place, num_items - 1), 1)
     amount = jnp.where(place < num_items, jnp.minimum(size[item], bin_size), 0)
     return item[:, :, None], amount[:, :, None]
@@ -132,7 +140,7 @@ class Copies(NamedTuple):
     def spill(self, problem: CopyProblem, placement) -> Int[Array, " E"]:
         """Each rank's excess over the target, attributed to what its home slots keep, hottest first."""
         excess = self.rank_loads(placement) - self.kept[placement].sum(1)  # its guests' pairs
-        return spill_per_expert(self.kept, placement, problem.target - excess)
+        return spill_per_expert(self.kept, placement, problem.target - excess, home_slot=problem.home_slot)
 
 
 def share_out(expert: Int[Array, " P"], want: Int[Array, " P"], available: Int[Array, " E"]) -> Int[Array, " P"]:
