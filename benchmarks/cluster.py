@@ -21,10 +21,12 @@ The DeepSeek-V2-Lite traces hold 3 micro-batches of 32 ranks, so a fourth
 repeats the first (never the one before it).
 Guest weights travel in the layer's default slices of the hidden width (moe.guest_weight_chunks),
 priced by costmodel.exposed_weight_seconds.
-Planning latency: the planner benchmark's jitted CPU median in its own configuration (calls inline
-on one core, jtopoep.xla_cpu's settings; benchmarks/results/planners.json) at the planner shape each
-deployment runs (R, the preset's experts as the planner sees them, K), stated as a CPU figure until a
-GPU one exists.
+Planning latency, at the planner shape each deployment runs (R, the preset's experts as the planner
+sees them, K): for the planners on device (eplb, topoep, taot), the time benchmarks.kernels --target
+h100 projects their kernels add inside a step (the kernels XLA:GPU compiles them to, times the
+per-kernel cost of a line fitted to one H200's timings of the planners: a GPU runs them
+launch-bound; benchmarks/results/kernels_h100.json); for eplb_host, its host time from the planner
+benchmark (benchmarks/results/planners.json).
 """
 
 from __future__ import annotations
@@ -264,24 +266,21 @@ def step_rows(totals: dict, steps: int, non_moe: float, num_ranks: int) -> dict:
     return rows
 
 
-def planning_latency(path: pathlib.Path, scale_path: pathlib.Path | None = None) -> dict:
-    """{shape_key(R, E, K): {planner: seconds}} from the planner benchmark's results, and for the
-    shapes it does not time, the scale benchmark's (scale.json: eplb, topoep and taot at K = 2; no
-    eplb_host, whose host planning is then charged nothing, in its favour)."""
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: run python -m benchmarks.planners first (it measures planning "
-                                "latency)")
-    by_shape = json.loads(path.read_text()).get("latency_by_shape_us")
-    if by_shape is None:
-        raise KeyError(f"{path} has no latency_by_shape_us (written before planning latency was measured per planner "
-                       "shape): rerun python -m benchmarks.planners")
-    out = {key: {k: v * 1e-6 for k, v in row.items()} for key, row in by_shape.items()}
-    if scale_path is not None and scale_path.exists():
-        for row in json.loads(scale_path.read_text()):
-            key = shape_key(row["ranks"], row["experts"], 2)
-            if key not in out:
-                out[key] = {k: v for k, v in row["latency_s"].items() if k in ("eplb", "topoep", "taot")}
-    return out
+def planning_latency(planners_path: pathlib.Path, kernels_path: pathlib.Path) -> dict:
+    """{shape_key(R, E, K): {planner: seconds}}: eplb, topoep and taot at the time their kernels add
+    inside a step on a GPU (kernels_h100.json), eplb_host at its host time where the planner benchmark
+    measured it (R = 32; elsewhere its host planning is charged nothing, in its favour)."""
+    for path, command in ((planners_path, "benchmarks.planners"), (kernels_path, "benchmarks.kernels --target h100")):
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: run python -m {command} first (planning latency comes from it)")
+    projected = json.loads(kernels_path.read_text()).get("in_step_s_by_shape")
+    if projected is None:
+        raise KeyError(f"{kernels_path} has no in_step_s_by_shape (written without a fitted GPU latency line): "
+                       "rerun python -m benchmarks.kernels --target h100")
+    host = json.loads(planners_path.read_text()).get("latency_by_shape_us", {})
+    return {key: {**{k: v for k, v in row.items() if k in ("eplb", "topoep", "taot")},
+                  **({"eplb_host": host[key]["eplb_host"] * 1e-6} if "eplb_host" in host.get(key, {}) else {})}
+            for key, row in projected.items()}
 
 
 def deployment_latency(latency: dict, model: str, num_ranks: int, guest_slots: int) -> dict:
@@ -297,9 +296,10 @@ def deployment_latency(latency: dict, model: str, num_ranks: int, guest_slots: i
 def markdown(results: dict) -> str:
     lines = ["Projected from the cost model (jtopoep/costmodel.py) on real routing; guest weights in "
              f"{results['weight_chunks']} slices of the hidden width "
-             "(moe.guest_weight_chunks); planning latency is the jitted CPU median from the planner benchmark (its "
-             "configuration: calls inline on one core, jtopoep.xla_cpu's settings) at each deployment's planner shape "
-             "(R, E as the planner sees it, K). Not GPU measurements.", ""]
+             "(moe.guest_weight_chunks); planning latency at each deployment's planner shape (R, E as the planner "
+             "sees it, K): on-device planners at the time their XLA:GPU kernels add inside a step, projected per "
+             "kernel (benchmarks.kernels --target h100, a line fitted to one H200's planner timings), eplb_host at "
+             "its measured host time. Not GPU measurements.", ""]
     for setting, models in results["settings"].items():
         lines.append(f"### {setting}")
         lines.append("")
@@ -376,7 +376,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     xla_cpu.configure()  # as the trainer does; the plans are the same either way, only faster to compute
     models = args.model or list(MODELS)
-    latency = planning_latency(RESULTS / "planners.json", RESULTS / "scale.json")
+    latency = planning_latency(RESULTS / "planners.json", RESULTS / "kernels_h100.json")
     base_topology = Topology.preset(args.topology)
     mats = {m: model_traces(m, base_topology.num_ranks, args.microbatches, args.trace) for m in models}
     # (label, topology, K, guest copies kept between micro-batches, micro-batches per model, and

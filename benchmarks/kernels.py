@@ -11,9 +11,11 @@ fuses differently from XLA:CPU, so the count is a proxy; `--calibrate FILE` fits
 latency = a + b x kernels to a gpu_check.json's planner latencies and projects each row with it.
 
 --target h100 counts the same way in the program XLA:GPU compiles for an H100 without one
-(benchmarks.gpu_target; needs JAX's CUDA plugin): XLA:GPU's own fusions, so the
-kernels a GPU launches, not a proxy. No latency line is fitted to those counts: the H200 timings
-were of programs counted by XLA:CPU. Writes kernels_h100.json and kernels_h100.md.
+(benchmarks.gpu_target; needs JAX's CUDA plugin): XLA:GPU's own fusions, so the kernels a GPU
+launches, not a proxy. Its latency line is fitted to the H200 timings at the XLA:GPU counts of the
+programs timed (planner_kernels.json), and it also counts each planner at the cluster projection's
+planner shapes (R = 32: benchmarks.planners.SHAPES) and the time their kernels add inside a step
+(the line's slope times the kernels), which benchmarks.cluster charges. Writes kernels_h100.json and kernels_h100.md.
 
 For R = 8 ... 1024 (nodes of 8 GPUs), E = max(256, R), K = 2. Writes benchmarks/results/kernels.json
 and kernels.md.
@@ -31,7 +33,7 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.planners import in_layer, make
+from benchmarks.planners import SHAPES, in_layer, make, shape_key
 from benchmarks.scale import GPUS, loads
 from jtopoep.config import TopologyConfig
 from jtopoep.planners import arrays, rounds
@@ -107,12 +109,13 @@ def kernel_count(hlo: str) -> int:
     return count(entry)
 
 
-def planner_kernels(name: str, num_ranks: int, device=None) -> tuple[int, float]:
+def planner_kernels(name: str, num_ranks: int, device=None, num_experts: int | None = None,
+                    guest_slots: int = 2) -> tuple[int, float]:
     """The compiled planner's kernel count, its loops at the GPU's static trip count, and the seconds
     XLA took to compile it (lowered already), for `device` (a described GPU, benchmarks.gpu_target) or,
-    without one, for XLA:CPU."""
+    without one, for XLA:CPU. E defaults to max(256, R)."""
     topology = TopologyConfig(num_nodes=max(num_ranks // GPUS, 1), gpus_per_node=min(GPUS, num_ranks)).to_topology()
-    num_experts = max(256, num_ranks)
+    num_experts = num_experts or max(256, num_ranks)
     sample = loads("zipf-1.0", num_ranks, num_experts, 1)[0]
     if device is None:
         sample = jax.numpy.asarray(sample)
@@ -122,7 +125,7 @@ def planner_kernels(name: str, num_ranks: int, device=None) -> tuple[int, float]
     # Compile the loop and the forms the GPU runs: the full static trip count, the pairwise orders.
     rounds.EARLY_EXIT_PLATFORMS, arrays.SORTED_ORDER_PLATFORMS = (), ()
     try:
-        lowered = jax.jit(in_layer(make(name, topology, num_experts, 2, 0.0))).lower(sample)
+        lowered = jax.jit(in_layer(make(name, topology, num_experts, guest_slots, 0.0))).lower(sample)
         start = time.perf_counter()
         hlo = lowered.compile().as_text()
         seconds = time.perf_counter() - start
@@ -131,16 +134,18 @@ def planner_kernels(name: str, num_ranks: int, device=None) -> tuple[int, float]
     return kernel_count(hlo), seconds
 
 
-def calibrate(gpu_check: pathlib.Path) -> dict | None:
+def calibrate(gpu_check: pathlib.Path, target: str = "cpu") -> dict | None:
     """Least-squares latency = a + b x kernels over the planners gpu_check timed at R = 32, each at the
-    kernel count of the program it timed (planner_kernels.json beside gpu_check.json: the planners
-    change between GPU runs, and today's counts against older latencies would fit nothing); None
-    without those counts."""
+    kernel count of the program it timed, as the target counts it (planner_kernels.json beside
+    gpu_check.json: the planners change between GPU runs, and today's counts against older latencies
+    would fit nothing); None without those counts."""
     timed = gpu_check.with_name("planner_kernels.json")
-    if not timed.exists():
-        print(f"no {timed}: the latency line is not fitted (it needs the counts of the programs gpu_check timed)")
+    key = "kernels" if target == "cpu" else "xla_gpu_kernels"
+    if not timed.exists() or key not in json.loads(timed.read_text()):
+        print(f"no {key} in {timed}: the latency line is not fitted (it needs the counts of the programs gpu_check "
+              "timed)")
         return None
-    counts = json.loads(timed.read_text())["kernels"]
+    counts = json.loads(timed.read_text())[key]
     measured = json.loads(gpu_check.read_text())["planner_latency_us"]
     names = [n for n in PLANNERS if n in measured and n in counts]
     x = np.array([counts[n] for n in names], float)
@@ -151,7 +156,20 @@ def calibrate(gpu_check: pathlib.Path) -> dict | None:
             "fitted_us": {n: float(intercept + slope * counts[n]) for n in names}, "timed_kernels": counts}
 
 
-def markdown(table: dict, fit: dict | None, target: str = "cpu", compile_s: dict | None = None) -> str:
+def projected_s(fit: dict, kernels: int) -> float:
+    """Seconds a call of `kernels` kernels takes on the fitted line."""
+    return (fit["intercept_us"] + fit["us_per_kernel"] * kernels) * 1e-6
+
+
+def in_step_s(fit: dict, kernels: int) -> float:
+    """Seconds `kernels` kernels add inside a training step: the line's slope alone. Its intercept is
+    a call's own cost (dispatch, the wait for the result: the `none` planner's 2-kernel call took 127
+    us), which a planner inside the jitted step does not pay."""
+    return fit["us_per_kernel"] * kernels * 1e-6
+
+
+def markdown(table: dict, fit: dict | None, target: str = "cpu", compile_s: dict | None = None,
+             by_shape: dict | None = None) -> str:
     compiled = ("XLA:CPU-compiled program: `python -m benchmarks.kernels`" if target == "cpu" else
                 "program XLA:GPU compiles for an H100 (described, not present): `python -m benchmarks.kernels "
                 "--target h100`")
@@ -173,10 +191,22 @@ def markdown(table: dict, fit: dict | None, target: str = "cpu", compile_s: dict
     for ranks, row in table.items():
         cells = [str(row[n]) for n in PLANNERS]
         if fit:
-            cells += [f"{(fit['intercept_us'] + fit['us_per_kernel'] * row[n]) / 1e3:.2f}" for n in PLANNERS if n != "none"]
+            cells += [f"{projected_s(fit, row[n]) * 1e3:.2f}" for n in PLANNERS if n != "none"]
         if compile_s:
             cells += [f"{compile_s[ranks][n]:.1f}" for n in PLANNERS if n != "none"]
         lines.append(f"| {ranks} | " + " | ".join(cells) + " |")
+    if by_shape:
+        lines += ["", "### At the cluster projection's planner shapes", "",
+                  "In-step ms: the kernels' share of the line (its slope times the kernels, without the intercept, a "
+                  "call's own cost), the planning that benchmarks.cluster charges inside a step.", "",
+                  "| shape | " + " | ".join(f"{n} kernels" for n in PLANNERS) + (
+                      " | " + " | ".join(f"{n} in-step ms" for n in PLANNERS if n != "none") if fit else "") + " |",
+                  "|" + "---|" * (1 + len(PLANNERS) + (len(PLANNERS) - 1 if fit else 0))]
+        for key, row in by_shape.items():
+            cells = [str(row[n]) for n in PLANNERS]
+            if fit:
+                cells += [f"{in_step_s(fit, row[n]) * 1e3:.2f}" for n in PLANNERS if n != "none"]
+            lines.append(f"| {key} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -198,20 +228,33 @@ def main(argv=None) -> dict:
             parser.error(gpu_target.NEEDS_PLUGIN)
         (device,) = gpu_target.described_gpus(1, 1)
         on_target = gpu_target.answering_as([device])
-    table, compile_s = {}, {}
+    table, compile_s, by_shape = {}, {}, {}
     with on_target:
         for ranks in args.ranks:
             measured = {name: planner_kernels(name, ranks, device) for name in PLANNERS}
             table[ranks] = {name: kernels for name, (kernels, _) in measured.items()}
             compile_s[ranks] = {name: seconds for name, (_, seconds) in measured.items()}
             print(ranks, table[ranks], compile_s[ranks], flush=True)
-    fit = calibrate(args.calibrate) if args.target == "cpu" and args.calibrate.exists() else None
+        if args.target == "h100":  # the cluster projection's planner shapes besides the table's
+            for experts, slots in SHAPES:
+                by_shape[shape_key(32, experts, slots)] = {name: planner_kernels(name, 32, device, experts, slots)[0]
+                                                           for name in PLANNERS}
+                print(experts, slots, by_shape[shape_key(32, experts, slots)], flush=True)
+    fit = calibrate(args.calibrate, args.target) if args.calibrate.exists() else None
+    for ranks, row in table.items():
+        by_shape.setdefault(shape_key(ranks, max(256, ranks), 2), row)
     result = {"target": args.target, "kernels": {str(r): row for r, row in table.items()},
               "compile_s": {str(r): row for r, row in compile_s.items()}, "gpu_fit": fit}
+    if args.target == "h100":
+        result["by_shape"] = by_shape
+        if fit:
+            result["in_step_s_by_shape"] = {key: {n: in_step_s(fit, k) for n, k in row.items() if n != "none"}
+                                            for key, row in by_shape.items()}
     stem = "kernels" if args.target == "cpu" else f"kernels_{args.target}"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    text = markdown(table, fit, args.target, compile_s if args.target != "cpu" else None)
+    text = markdown(table, fit, args.target, compile_s if args.target != "cpu" else None,
+                    by_shape if args.target == "h100" else None)
     (args.out / f"{stem}.md").write_text(text)
     print(text)
     return result

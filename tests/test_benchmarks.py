@@ -189,3 +189,23 @@ def test_kernel_count_multiplies_loop_bodies_by_their_trip_count():
         jnp.ones(4)).compile().as_text()
     with pytest.raises(ValueError, match="a loop without a known trip count"):
         kernel_count(open_ended)
+
+
+def test_the_cluster_projection_has_a_planning_latency_for_every_deployment():
+    """benchmarks.cluster charges each deployment's planners at their projected GPU latency for its
+    planner shape (kernels_h100.json, K = 1, 2, 4 at 32 GPUs and DeepSeek-V3 on 256), eplb_host at its
+    host time where measured: the committed results cover every shape the projection runs, and a
+    planner with more kernels is charged more."""
+    import json
+
+    latency = cluster.planning_latency(cluster.RESULTS / "planners.json", cluster.RESULTS / "kernels_h100.json")
+    deployments = [(m, 32, k) for m in cluster.MODELS for k in (1, 2, 4)] + [("deepseek-v3", 256, 2)]
+    for model, ranks, slots in deployments:
+        charged = cluster.deployment_latency(latency, model, ranks, slots)
+        assert all(charged[name] > 0 for name in ("eplb", "topoep", "taot")), (model, ranks, slots)
+        if ranks == 32:
+            assert charged["eplb_host"] > 0, (model, slots)
+    kernels = json.loads((cluster.RESULTS / "kernels_h100.json").read_text())["by_shape"]
+    for key, row in kernels.items():
+        order = sorted(("eplb", "topoep", "taot"), key=row.get)
+        assert [latency[key][name] for name in order] == sorted(latency[key][name] for name in order), key
