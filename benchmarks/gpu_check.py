@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from benchmarks.kernels import trip_counts
+from benchmarks.kernels import kernel_count, trip_counts
 from benchmarks.loads import synthetic_families
 from benchmarks.planners import in_layer, latency, make
 from jtopoep.config import MoEConfig
@@ -187,14 +187,20 @@ def planner_latency(out: dict) -> None:
                                  **{k: v * 1e6 for k, v in lat["median_s"].items()},
                                  "eplb_host_over_topoep": lat["eplb_host_over_topoep"]}
     print("planner latency (us):", {k: round(v * 1e6) for k, v in lat["median_s"].items()}, flush=True)
-    loops = {}
-    for name in ("topoep", "taot"):
-        # The planners latency() timed: with expert shapes, so topoep's locality swaps are in too.
+    loops, kernels = {}, {}
+    for name in ("none", "eplb", "topoep", "taot"):
+        # The programs latency() timed, as this GPU compiled them: their kernels are what
+        # benchmarks.kernels --target h100 fits its latency line to (kernel_count refuses a loop without
+        # a known trip count, which the loops check below reports instead).
         hlo = jax.jit(in_layer(make(name, topology, 256, 2, 0.0))).lower(counts).compile().as_text()
         trips = trip_counts(hlo)
-        loops[name] = {"loops": len(trips), "known_trip_count": sum(t is not None for t in trips)}
+        if name in ("topoep", "taot"):
+            loops[name] = {"loops": len(trips), "known_trip_count": sum(t is not None for t in trips)}
+        if all(t is not None for t in trips):
+            kernels[name] = kernel_count(hlo)
     out["planner_loops"] = loops
-    print("planner loops (known trip count / all):", loops, flush=True)
+    out["planner_kernels"] = kernels
+    print("planner loops (known trip count / all):", loops, "kernels:", kernels, flush=True)
 
 
 def grouped_gemm(out: dict, d: int = 2048, f: int = 1408, rows: int = 4096 * 6, slots: int = 10) -> None:

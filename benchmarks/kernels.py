@@ -138,15 +138,20 @@ def calibrate(gpu_check: pathlib.Path, target: str = "cpu") -> dict | None:
     """Least-squares latency = a + b x kernels over the planners gpu_check timed at R = 32, each at the
     kernel count of the program it timed, as the target counts it (planner_kernels.json beside
     gpu_check.json: the planners change between GPU runs, and today's counts against older latencies
-    would fit nothing); None without those counts."""
+    would fit nothing; for the h100 target, the XLA:GPU counts gpu_check records beside its timings
+    where it did); None without those counts."""
     timed = gpu_check.with_name("planner_kernels.json")
     key = "kernels" if target == "cpu" else "xla_gpu_kernels"
-    if not timed.exists() or key not in json.loads(timed.read_text()):
+    checked = json.loads(gpu_check.read_text())
+    if target != "cpu" and "planner_kernels" in checked:  # counted by gpu_check in the programs it timed
+        counts = checked["planner_kernels"]
+    elif timed.exists() and key in json.loads(timed.read_text()):
+        counts = json.loads(timed.read_text())[key]
+    else:
         print(f"no {key} in {timed}: the latency line is not fitted (it needs the counts of the programs gpu_check "
               "timed)")
         return None
-    counts = json.loads(timed.read_text())[key]
-    measured = json.loads(gpu_check.read_text())["planner_latency_us"]
+    measured = checked["planner_latency_us"]
     names = [n for n in PLANNERS if n in measured and n in counts]
     x = np.array([counts[n] for n in names], float)
     y = np.array([measured[n] for n in names], float)
