@@ -138,12 +138,12 @@ def _exposed(copies, shed, rank_loads, pricing: Pricing):
 
 
 def _home_transfers(expert, dest, amount, new, held, problem: CopyProblem, shipped: Shipped, gpus_per_node: int,
-                    rank=None, before=None):
+                    rank=None, earlier=None):
     """[P, 4] the transfers each copy adds at its home rank (Shipped.copies' columns): over NVLink to
     its own node; across nodes only for the first copy of its expert on a node not yet reached, the
     relay serving the others: its gradients, and its weights if it is the first there that does not
-    hold them already. First in `rank` order, or where `before` [P, P] is given, in its order
-    (before[p, q]: q comes first; it must order each home's copies); by default in index order."""
+    hold them already. First in `rank` order, or where `earlier` [P, P] is given, in its order
+    (earlier[p, q]: q comes first; it must order each home's copies); by default in index order."""
     num = expert.shape[0]
     home = problem.home_rank[jnp.maximum(expert, 0)]
     node = dest // gpus_per_node
@@ -153,8 +153,8 @@ def _home_transfers(expert, dest, amount, new, held, problem: CopyProblem, shipp
     crossing = ships & across & ~shipped.reached.reshape(-1)[key]
 
     def first_of_key(candidate):
-        if before is not None:
-            return candidate & ~(before & candidate[None, :] & (key[None, :] == key[:, None])).any(1)
+        if earlier is not None:
+            return candidate & ~(earlier & candidate[None, :] & (key[None, :] == key[:, None])).any(1)
         ranks = jnp.arange(num, dtype=jnp.int32) if rank is None else rank
         first = jnp.full(shipped.reached.size, num, jnp.int32).at[key].min(jnp.where(candidate, ranks, num))
         return candidate & (first[key] == ranks)
@@ -181,7 +181,7 @@ def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[
         made = amount > 0
         return made, pairwise_or_sorted(
             num, lambda: _home_transfers(expert, dest, amount, new & made, held, problem, shipped, gpus_per_node,
-                                         before=earlier_in_segment(jnp.zeros(num, jnp.int32))),
+                                         earlier=earlier_in_segment(jnp.zeros(num, jnp.int32))),
             lambda: _home_transfers(expert, dest, amount, new & made, held, problem, shipped, gpus_per_node))
     return pairwise_or_sorted(num, lambda: _decide(expert, dest, amount, new, held, problem, shipped, pricing,
                                                    gpus_per_node, True),
@@ -192,7 +192,8 @@ def paying_pieces(expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[
 def _decide(expert, dest, amount, new, held, problem: CopyProblem, shipped: Shipped, pricing: Pricing,
             gpus_per_node: int, pairwise: bool):
     """paying_pieces with pricing: each home's proposals in its order as an [P, P] mask of which come
-    first (pairwise), or sorted into it."""
+    first (pairwise), or sorted into it. The `_s` arrays are in the order the proposals are judged
+    in: as given (pairwise) or sorted."""
     num = expert.shape[0]
     home = problem.home_rank[jnp.maximum(expert, 0)]
     across = (home // gpus_per_node) != (dest // gpus_per_node)
@@ -201,14 +202,14 @@ def _decide(expert, dest, amount, new, held, problem: CopyProblem, shipped: Ship
     if pairwise:
         # Few proposals: each stays in its place, and each home's order is the mask of which of its
         # proposals come first (largest first), every use of it one fused comparison.
-        before = earlier_in_segment(segment, jnp.maximum(amount, 0))
-        kinds = _home_transfers(expert, dest, amount, new, held, problem, shipped, gpus_per_node, before=before)
+        earlier = earlier_in_segment(segment, jnp.maximum(amount, 0))
+        kinds = _home_transfers(expert, dest, amount, new, held, problem, shipped, gpus_per_node, earlier=earlier)
         values = jnp.concatenate([jnp.maximum(amount, 0)[:, None], kinds], 1)
-        running = values + jnp.where(before[:, :, None], values[None, :, :], 0).sum(1)
+        running = values + jnp.where(earlier[:, :, None], values[None, :, :], 0).sum(1)
         home_s, amount_s, kinds_s, across_s = home, amount, kinds, across
 
         def after_a_refusal(pays):
-            return (before & ~pays[None, :]).any(1)
+            return (earlier & ~pays[None, :]).any(1)
 
         def in_place(x):
             return x
@@ -218,15 +219,15 @@ def _decide(expert, dest, amount, new, held, problem: CopyProblem, shipped: Ship
         order = order_by(segment, num_ranks + 1, jnp.maximum(amount, 0))
         kinds = _home_transfers(expert, dest, amount, new, held, problem, shipped, gpus_per_node,
                                 inverse_permutation(order))
-        home_s, amount_s, kinds_s, across_s, segment_s = home[order], amount[order], kinds[order], across[order], \
-            segment[order]
+        home_s, amount_s, kinds_s, across_s, segment_s = (x[order] for x in (home, amount, kinds, across, segment))
         # Pairs shed and transfers made so far at each home, one segmented pass over both.
         running = segmented_prefix_sum(jnp.concatenate([jnp.maximum(amount_s, 0)[:, None], kinds_s], 1), segment_s,
                                        num_ranks + 1)
         sorted_index = jnp.arange(num, dtype=jnp.int32)
 
         def after_a_refusal(pays):
-            first_refused = jnp.full(num_ranks + 1, num, jnp.int32).at[segment_s].min(jnp.where(pays, num, sorted_index))
+            refused = jnp.where(pays, num, sorted_index)
+            first_refused = jnp.full(num_ranks + 1, num, jnp.int32).at[segment_s].min(refused)
             return sorted_index >= first_refused[segment_s]
 
         def in_place(x):
@@ -236,7 +237,7 @@ def _decide(expert, dest, amount, new, held, problem: CopyProblem, shipped: Ship
     loads = problem.rank_loads[home_s]
     others = _node_others(shipped.copies, home_s, gpus_per_node)
     after = _exposed(_over_links(copies, others, gpus_per_node), shed, loads, pricing)
-    before_s = _exposed(_over_links(copies - kinds_s, others, gpus_per_node), shed - amount_s, loads, pricing)
+    before = _exposed(_over_links(copies - kinds_s, others, gpus_per_node), shed - amount_s, loads, pricing)
     # A copy saves the GEMM time of its pairs on the home rank, and the home's scale-out receive of
     # them (its remote share: the copy is fed by its own node's pairs first), which sets the
     # exchange term where hot experts' homes receive the most.
@@ -244,7 +245,7 @@ def _decide(expert, dest, amount, new, held, problem: CopyProblem, shipped: Ship
     least = jnp.where(across_s, pricing.least_pairs[1], pricing.least_pairs[0])
 
     def accepted(floors):
-        rise = sum(jnp.maximum(a, m) - jnp.maximum(b, m) for a, b, m in zip(after, before_s, floors))
+        rise = sum(jnp.maximum(a, m) - jnp.maximum(b, m) for a, b, m in zip(after, before, floors))
         pays = (amount_s > 0) & (gain >= rise) & (amount_s >= least)
         # A home's proposals after one that does not pay are not made either.
         return pays & ~after_a_refusal(pays)
