@@ -272,7 +272,8 @@ def planning_latency(planners_path: pathlib.Path, kernels_path: pathlib.Path) ->
     measured it (R = 32; elsewhere its host planning is charged nothing, in its favour)."""
     for path, command in ((planners_path, "benchmarks.planners"), (kernels_path, "benchmarks.kernels --target h100")):
         if not path.exists():
-            raise FileNotFoundError(f"{path} is missing: run python -m {command} first (planning latency comes from it)")
+            raise FileNotFoundError(f"{path} is missing: run python -m {command} first (planning latency comes "
+                                    "from it)")
     projected = json.loads(kernels_path.read_text()).get("in_step_s_by_shape")
     if projected is None:
         raise KeyError(f"{kernels_path} has no in_step_s_by_shape (written without a fitted GPU latency line): "

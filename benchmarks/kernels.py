@@ -15,7 +15,8 @@ latency = a + b x kernels to a gpu_check.json's planner latencies and projects e
 launches, not a proxy. Its latency line is fitted to the H200 timings at the XLA:GPU counts of the
 programs timed (planner_kernels.json), and it also counts each planner at the cluster projection's
 planner shapes (R = 32: benchmarks.planners.SHAPES) and the time their kernels add inside a step
-(the line's slope times the kernels), which benchmarks.cluster charges. Writes kernels_h100.json and kernels_h100.md.
+(the line's slope times the kernels), which benchmarks.cluster charges. Writes kernels_h100.json and
+kernels_h100.md.
 
 For R = 8 ... 1024 (nodes of 8 GPUs), E = max(256, R), K = 2. Writes benchmarks/results/kernels.json
 and kernels.md.
@@ -168,8 +169,8 @@ def projected_s(fit: dict, kernels: int) -> float:
 
 def in_step_s(fit: dict, kernels: int) -> float:
     """Seconds `kernels` kernels add inside a training step: the line's slope alone. Its intercept is
-    a call's own cost (dispatch, the wait for the result: the `none` planner's 2-kernel call took 127
-    us), which a planner inside the jitted step does not pay."""
+    a call's own cost (dispatch, the wait for the result: what the `none` planner's call of a few
+    kernels takes in gpu_check.json), which a planner inside the jitted step does not pay."""
     return fit["us_per_kernel"] * kernels * 1e-6
 
 

@@ -136,12 +136,12 @@ PAIRWISE_LIMIT = 256
 SORTED_ORDER_PLATFORMS: tuple[str, ...] = ("cpu",)
 
 
-def pairwise_or_sorted(num: int, pairwise, in_sorted_order, *args):
-    """pairwise(*args) for num entries up to PAIRWISE_LIMIT, except on SORTED_ORDER_PLATFORMS;
-    else in_sorted_order(*args): two forms of one result, chosen when the program is compiled."""
+def pairwise_or_sorted(num: int, pairwise, in_sorted_order):
+    """pairwise() for num entries up to PAIRWISE_LIMIT, except on SORTED_ORDER_PLATFORMS; else
+    in_sorted_order(): two forms of one result, chosen when the program is compiled."""
     if num > PAIRWISE_LIMIT:
-        return in_sorted_order(*args)
-    return jax.lax.platform_dependent(*args, default=pairwise, **{p: in_sorted_order for p in SORTED_ORDER_PLATFORMS})
+        return in_sorted_order()
+    return jax.lax.platform_dependent(default=pairwise, **{p: in_sorted_order for p in SORTED_ORDER_PLATFORMS})
 
 
 def earlier_in_segment(segment: Int[Array, " n"], largest_first: Int[Array, " n"] | None = None

@@ -44,7 +44,6 @@ class CopyProblem(NamedTuple):
     loads: Int[Array, " E"]  # pairs routed to each expert
     rank_loads: Int[Array, " R"]  # pairs of each rank's home experts
     target: Int[Array, ""]  # ceil(sum of loads / R): no plan's busiest rank can take fewer
-    home_rank: Int[Array, " E"]
     home_slot: Int[Array, " E"]  # each expert's home slot, flat: rank x H + slot
     remote_share: Float[Array, " R"]  # share of each rank's home pairs that come from other nodes
     node_loads: Int[Array, "N E"]  # pairs each node's sources send each expert
@@ -58,13 +57,16 @@ class CopyProblem(NamedTuple):
         loads = node_counts.sum(0)
         target = ceil_div(loads.sum(), num_ranks)
         rank_loads = loads[placement].sum(1)
-        slots = placement.shape[1]
         home_slot = scatter_set(loads.shape[0], placement.reshape(-1), jnp.arange(placement.size, dtype=jnp.int32))
-        home_rank = home_slot // slots
         own_node = (jnp.arange(num_ranks) // gpus_per_node)[:, None]
         remote = rank_loads - node_counts[own_node, placement].sum(1)
         share = remote.astype(jnp.float32) / jnp.maximum(rank_loads, 1).astype(jnp.float32)
-        return cls(loads, rank_loads, target, home_rank, home_slot, share, node_counts)
+        return cls(loads, rank_loads, target, home_slot, share, node_counts)
+
+    @property
+    def home_rank(self) -> Int[Array, " E"]:
+        """Each expert's home rank: its home slot over the H slots a rank has."""
+        return self.home_slot // (self.loads.shape[0] // self.rank_loads.shape[0])
 
 
 class Pricing(NamedTuple):

@@ -147,18 +147,18 @@ def share_out(expert: Int[Array, " P"], want: Int[Array, " P"], available: Int[A
     """What each of P wants of its expert's available pairs, first come first served."""
     segment = jnp.where(want > 0, expert, available.shape[0])
 
-    def pairwise(segment, want):
+    def pairwise():
         before = jnp.where(earlier_in_segment(segment), want[None, :], 0).sum(1)
         return jnp.clip(available[jnp.maximum(expert, 0)] - before, 0, want)
 
-    def in_sorted_order(segment, want):
+    def in_sorted_order():
         order = order_by(segment, available.shape[0] + 1)
         in_order = want[order]
         before = segmented_prefix_sum(in_order, segment[order], available.shape[0] + 1) - in_order
         granted = jnp.clip(available[jnp.maximum(expert[order], 0)] - before, 0, in_order)
         return jnp.zeros_like(want).at[order].set(granted, unique_indices=True)
 
-    return pairwise_or_sorted(want.shape[0], pairwise, in_sorted_order, segment, want)
+    return pairwise_or_sorted(want.shape[0], pairwise, in_sorted_order)
 
 
 def top_up(copies: Copies, problem: CopyProblem, placement) -> tuple[Int[Array, "R K"], Int[Array, "R K"]]:
