@@ -223,7 +223,7 @@ def test_a_held_copy_pays_where_a_shipped_one_does_not():
     pairs = int(pricing.copy_s[1] / pricing.pair_s)  # one scale-out transfer's worth of GEMM time
     counts = np.zeros((R, 16), np.int32)
     counts[0, 0] = 7 * pairs
-    problem = CopyProblem.build(jnp.asarray(counts), jnp.arange(16).reshape(R, 2), TOPO.gpus_per_node)
+    problem = CopyProblem.build(jnp.asarray(counts), jnp.arange(16).reshape(R, 2), TOPO.gpus_per_node, 1)
 
     def made(held, priced=pricing):
         return int(np.asarray(paying_pieces(jnp.zeros(7, jnp.int32), jnp.arange(1, 8), jnp.full(7, pairs),
@@ -246,7 +246,7 @@ def test_a_homes_copies_are_made_largest_first_while_they_pay():
     counts = np.zeros((R, 16), np.int32)
     amount = jnp.array([big // 100, big, big // 2])
     counts[0, 0] = int(amount.sum())  # the home sheds everything: no GEMM of its own left to hide behind
-    problem = CopyProblem.build(jnp.asarray(counts), jnp.arange(16).reshape(R, 2), TOPO.gpus_per_node)
+    problem = CopyProblem.build(jnp.asarray(counts), jnp.arange(16).reshape(R, 2), TOPO.gpus_per_node, 1)
     made = paying_pieces(jnp.zeros(3, jnp.int32), jnp.arange(1, 4), amount, jnp.ones(3, bool), jnp.zeros(3, bool),
                          problem, Shipped.none(R, 16, 2), pricing, TOPO.gpus_per_node)[0]
     # The largest saves four transfers' worth and exposes less than one; the second would expose
@@ -268,7 +268,7 @@ def test_the_transfers_paying_pieces_gives_are_those_of_the_copies_it_makes():
     decided = []
     for _ in range(5):
         counts = rng.integers(0, 400, (R, 16)).astype(np.int32)  # little GEMM to hide transfers behind
-        problem = CopyProblem.build(jnp.asarray(counts), jnp.arange(16).reshape(R, 2), TOPO.gpus_per_node)
+        problem = CopyProblem.build(jnp.asarray(counts), jnp.arange(16).reshape(R, 2), TOPO.gpus_per_node, 1)
         num = 24
         expert, dest = jnp.asarray(rng.integers(0, 16, num)), jnp.asarray(rng.integers(0, R, num))
         amount = jnp.asarray(rng.integers(0, 3000, num) * (rng.random(num) < 0.8))
@@ -401,7 +401,7 @@ def test_a_home_pays_one_scale_out_transfer_per_node_it_reaches():
     counts = np.zeros((R, 16), np.int32)
     counts[0, 0] = 4 * pairs
     counts[0, 1] = int(pricing.copy_s[1] / pricing.pair_fwd_s) + 1  # forward GEMMs that hide one transfer
-    problem = CopyProblem.build(jnp.asarray(counts), jnp.arange(16).reshape(R, 2), TOPO.gpus_per_node)
+    problem = CopyProblem.build(jnp.asarray(counts), jnp.arange(16).reshape(R, 2), TOPO.gpus_per_node, 1)
     args = (jnp.zeros(4, jnp.int32), jnp.arange(4, 8), jnp.full(4, pairs), jnp.ones(4, bool), jnp.zeros(4, bool),
             problem, Shipped.none(R, 16, 2))
     kinds = np.asarray(_home_transfers(*args, TOPO.gpus_per_node))
@@ -484,7 +484,7 @@ def test_the_first_copies_go_to_the_nodes_whose_sources_send_the_spilled_pairs()
     counts[4:, 0] = 30
     counts[2:4, 0] = 0
     placement = jnp.arange(6, dtype=jnp.int32).reshape(6, 1)
-    problem = CopyProblem.build(jnp.asarray(counts), placement, gpus)
+    problem = CopyProblem.build(jnp.asarray(counts), placement, gpus, 2)
     copies = Copies.start(problem, 2, gpus)
     expert, amount = map(np.asarray, onto_demand(copies, problem, placement, gpus, least=1, width=1))
     rank_node = np.arange(6) // gpus
@@ -495,18 +495,18 @@ def test_the_first_copies_go_to_the_nodes_whose_sources_send_the_spilled_pairs()
     assert (proposed.sum(1) <= room).all()
 
 
-@pytest.mark.parametrize("s", [1.0, 1.2])
-def test_copies_where_the_pairs_come_from_cut_inter_node_bytes_at_the_same_balance(s, monkeypatch):
+@pytest.mark.parametrize("name,s", [("topoep", 1.0), ("topoep", 1.2), ("taot", 1.0)])
+def test_copies_where_the_pairs_come_from_cut_inter_node_bytes_at_the_same_balance(name, s, monkeypatch):
     """Zipf loads on 4 nodes x 8 GPUs, K = 2: with its first copies on the nodes the spilled pairs
-    come from, topoep moves fewer inter-node bytes (tokens and weights) than without that round,
-    and still balances to the bound."""
+    come from, each planner moves fewer inter-node bytes (tokens and weights) than without that
+    round, and still balances to the bound."""
     from jtopoep.config import TopologyConfig
     from jtopoep.costmodel import ExpertDims
-    from jtopoep.planners.topoep import TopoEPPlanner
+    from jtopoep.planners.base import CopyingPlanner
 
     topology = TopologyConfig(num_nodes=4, gpus_per_node=8).to_topology()
     dims = ExpertDims(d_model=2048, expert_hidden=1408, bytes_per_element=2)
-    planner = get_planner("topoep", topology=topology, num_experts=256, guest_slots=2, dims=dims)
+    planner = get_planner(name, topology=topology, num_experts=256, guest_slots=2, dims=dims)
     mats = traces.zipf(32, 256, 4096, 8, s, steps=3, drift=8, seed=1)
 
     def run():  # a new function each time, so jit traces the planner afresh
@@ -514,7 +514,7 @@ def test_copies_where_the_pairs_come_from_cut_inter_node_bytes_at_the_same_balan
         return [summarize(jax.device_get(plan(jnp.asarray(c))), c, topology, dims) for c in mats]
 
     with_round = run()
-    monkeypatch.setattr(TopoEPPlanner, "_where_tokens_come_from", lambda self, problem, placement, copies, _: copies)
+    monkeypatch.setattr(CopyingPlanner, "_where_pairs_come_from", lambda self, problem, placement, copies, _: copies)
     without = run()
     for a, b in zip(with_round, without):
         assert a["imbalance"] <= a["imbalance_lower_bound"] * 1.001

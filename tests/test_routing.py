@@ -192,19 +192,27 @@ def test_tiered_routing_feeds_copies_from_their_own_node_first():
 def test_spill_matches_sorted_definition():
     rng = np.random.default_rng(0)
     jitted = jax.jit(spill_per_expert)
-    for _ in range(20):
+    for case in range(40):
         loads = rng.integers(0, 50, 32) * (rng.random(32) < 0.8)
         loads[rng.integers(0, 32, 4)] = 25  # ties
         placement = rng.permutation(32).reshape(8, 4)
         target = int(-(-loads.sum() // 8))
+        # Half the cases hold back some pairs of each expert until its rank's others have shed.
+        last = rng.integers(0, 60, 32) if case % 2 else None
         want = np.zeros(32, np.int64)
         for r in range(8):
             excess = max(loads[placement[r]].sum() - target, 0)
-            for e in sorted(placement[r], key=lambda e: (-loads[e], list(placement[r]).index(e))):
-                want[e] = min(loads[e], excess)
-                excess -= want[e]
-        np.testing.assert_array_equal(np.asarray(jitted(jnp.asarray(loads), jnp.asarray(placement), target)), want)
-        np.testing.assert_array_equal(spill_per_expert(loads, placement, target, np), want)
+            order = sorted(placement[r], key=lambda e: (-loads[e], list(placement[r]).index(e)))
+            held = {e: 0 if last is None else min(last[e], loads[e]) for e in order}
+            for part in (lambda e: loads[e] - held[e], lambda e: held[e]):  # the rest first, then the held
+                for e in order:
+                    shed = min(part(e), excess)
+                    want[e] += shed
+                    excess -= shed
+        got = jitted(jnp.asarray(loads), jnp.asarray(placement), target,
+                     shed_last=None if last is None else jnp.asarray(last))
+        np.testing.assert_array_equal(np.asarray(got), want)
+        np.testing.assert_array_equal(spill_per_expert(loads, placement, target, np, shed_last=last), want)
 
 
 def test_best_routing_keeps_the_plans_copies_and_quotas_and_is_never_slower():

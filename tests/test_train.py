@@ -365,7 +365,8 @@ def test_kept_guest_copies_change_no_loss_or_gradient(devices, tmp_path):
                                      model=dataclasses.replace(config.model, num_layers=1))
         trainer = Trainer(config)
         step = nnx.jit(lambda m, t, moe=config.moe: accumulated_grads(m, t, moe))
-        results[keep] = jax.device_get(step(trainer.model, trainer._device_batch(0)))
+        # A batch whose two micro-batches copy some expert onto the same rank (not every batch does).
+        results[keep] = jax.device_get(step(trainer.model, trainer._device_batch(1)))
     (loss, ce, stats, grads), (loss_f, ce_f, stats_f, grads_f) = results[True], results[False]
     kept = np.asarray(stats["kept_copies"]).T  # [layers, micro-batches]
     made = np.asarray(stats["guest_copies"]).T

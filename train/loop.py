@@ -437,4 +437,10 @@ class Trainer:
             buffer = io.BytesIO()
             write_report(self.run_dir, self.config.moe.planner, buffer)
             run_folder.write_atomic(self.run_dir / "report.png", buffer.getvalue())
+        if jax.process_count() > 1:
+            # Process 0 writes the report while the others would already wait in JAX's shutdown
+            # barrier, whose own deadline aborts a process that comes late (a loaded host): all leave
+            # the run together here, under this run's timeout.
+            ocp_multihost.sync_global_processes("jtopoep: run finished", timeout=int(self.peer_timeout),
+                                                processes=set(range(jax.process_count())))
         return last or {}

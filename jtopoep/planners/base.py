@@ -13,10 +13,10 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Array, Int
 
-from jtopoep.costmodel import ExpertDims
+from jtopoep.costmodel import ExpertDims, crossing_break_even_pairs
 from jtopoep.plan import Plan
 from jtopoep.planners.problem import CopyProblem, Pricing
-from jtopoep.planners.rounds import Copies
+from jtopoep.planners.rounds import Copies, onto_demand, place
 from jtopoep.planners.routing import SlotQuotas, plan_from_quotas
 from jtopoep.topology import Topology
 
@@ -116,13 +116,29 @@ class CopyingPlanner(PlannerBase):
     locality-tiered routing."""
 
     def _quotas(self, counts, placement, held) -> SlotQuotas:
-        problem = CopyProblem.build(counts, placement, self.gpus_per_node)
+        problem = CopyProblem.build(counts, placement, self.gpus_per_node, self.guest_slots)
         copies = self._place(problem, placement, Copies.start(problem, self.guest_slots, self.gpus_per_node), held)
         return SlotQuotas(jnp.concatenate([placement, copies.guests], axis=1),
                           jnp.concatenate([copies.kept[placement], copies.quotas], axis=1))
 
     def _place(self, problem: CopyProblem, placement, copies: Copies, held) -> Copies:
         raise NotImplementedError
+
+    def _where_pairs_come_from(self, problem: CopyProblem, placement, copies: Copies, held) -> Copies:
+        """The first round: copies of each spilling expert on the nodes whose own sources send it the
+        pairs it spills (rounds.onto_demand), so those pairs cross no link, in at most half of each
+        rank's guest slots (the rest stay for balancing: with one slot, none)."""
+        width = self.guest_slots // 2
+        if self.topology.num_nodes == 1 or width == 0:
+            return copies
+        # A piece must keep enough pairs on its node that their crossings outweigh its weights and
+        # gradients crossing, and take half a rank's load: smaller ones left room on ranks whose
+        # slots they had taken, which the balancing rounds could then not fill.
+        least = problem.target // 2
+        if self.dims is not None:
+            least = jnp.maximum(least, int(crossing_break_even_pairs(self.dims)))
+        proposals = onto_demand(copies, problem, placement, self.gpus_per_node, least, width)
+        return place(copies, *proposals, problem, placement, self.pricing, held, self.gpus_per_node, overshed=True)
 
 
 __all__ = ["CopyingPlanner", "PlannerBase", "home_quotas"]

@@ -19,19 +19,25 @@ from jtopoep.planners.arrays import (ceil_div, earlier_in_segment, order_by, pai
 from jtopoep.topology import Topology
 
 
-def spill_per_expert(loads, placement, target, xp=jnp, home_slot=None):
+def spill_per_expert(loads, placement, target, xp=jnp, home_slot=None, shed_last=None):
     """[E] pairs above target on each rank, attributed to its home experts hottest first (ties to
-    the lower slot). home_slot: [E] each expert's flat home slot (CopyProblem.home_slot), which
-    gathers the result where the placement would scatter it (a fused gather, not a kernel of its own)."""
+    the lower slot). shed_last: [E] pairs of each expert to shed only once every expert of its rank
+    has shed the rest (CopyProblem.shed_last), in the same order.
+    home_slot: [E] each expert's flat home slot (CopyProblem.home_slot), which gathers the result
+    where the placement would scatter it (a fused gather, not a kernel of its own)."""
     home_loads = loads[placement]  # [R, H]
     slot = xp.arange(placement.shape[1])
     mine, other = home_loads[:, :, None], home_loads[:, None, :]
     # Pairs of the rank's experts that shed before each one: a pairwise count over the H home
     # slots, cheaper than a per-row sort for the few slots a rank has.
     ahead = (other > mine) | ((other == mine) & (slot[None, None, :] < slot[None, :, None]))  # [R, H, H]
-    before = (ahead * other).sum(2)
     excess = xp.maximum(home_loads.sum(1) - target, 0)[:, None]
-    spill = xp.minimum(home_loads, xp.maximum(excess - before, 0))
+    last = xp.zeros_like(home_loads) if shed_last is None else xp.minimum(shed_last[placement], home_loads)
+    first = home_loads - last
+    spill = xp.minimum(first, xp.maximum(excess - (ahead * first[:, None, :]).sum(2), 0))
+    if shed_last is not None:
+        excess = xp.maximum(excess - first.sum(1, keepdims=True), 0)
+        spill = spill + xp.minimum(last, xp.maximum(excess - (ahead * last[:, None, :]).sum(2), 0))
     if home_slot is not None:
         return spill.reshape(-1)[home_slot].astype(loads.dtype)
     return scatter_set(loads.shape[0], placement.reshape(-1), spill.reshape(-1).astype(loads.dtype), xp)
@@ -47,9 +53,15 @@ class CopyProblem(NamedTuple):
     home_slot: Int[Array, " E"]  # each expert's home slot, flat: rank x H + slot
     remote_share: Float[Array, " R"]  # share of each rank's home pairs that come from other nodes
     node_loads: Int[Array, "N E"]  # pairs each node's sources send each expert
+    # Pairs of each expert its home sheds only once the rest of its rank's have shed: its own node's,
+    # which cross no link at home. Only for an expert that fits on one rank: a hotter one has copies
+    # on its own node, which keep them there, and holding them at home would push its rank's other
+    # experts off in slivers that take the guest slots.
+    shed_last: Int[Array, " E"]
 
     @classmethod
-    def build(cls, counts: Int[Array, "R E"], placement: Int[Array, "R H"], gpus_per_node: int) -> "CopyProblem":
+    def build(cls, counts: Int[Array, "R E"], placement: Int[Array, "R H"], gpus_per_node: int,
+              guest_slots: int) -> "CopyProblem":
         num_ranks = counts.shape[0]
         # Each home's pairs less those its own node's sources send come from [N, E] node totals,
         # not a [R, R] source-by-home table (R^2 H gathered elements at 1024 ranks).
@@ -61,7 +73,16 @@ class CopyProblem(NamedTuple):
         own_node = (jnp.arange(num_ranks) // gpus_per_node)[:, None]
         remote = rank_loads - node_counts[own_node, placement].sum(1)
         share = remote.astype(jnp.float32) / jnp.maximum(rank_loads, 1).astype(jnp.float32)
-        return cls(loads, rank_loads, target, home_slot, share, node_counts)
+        home_node = home_slot // (placement.shape[1] * gpus_per_node)
+        last = jnp.where(loads <= target, node_counts[home_node, jnp.arange(loads.shape[0])], 0)
+        # Shedding other nodes' pairs first spreads a rank's spill over more of its experts: only
+        # where the spilling experts would not outnumber the guest slots on ranks with room by more
+        # than a quarter (top-ups let a guest take the rest of its expert's spill, so a few
+        # more still place: a hot node on 4 x 8 ranks spills 50 experts for 48 slots; 2 x 4 with 14
+        # for 8 did not).
+        spilling = (spill_per_expert(loads, placement, target, home_slot=home_slot, shed_last=last) > 0).sum()
+        fits = spilling * 4 <= guest_slots * (rank_loads < target).sum() * 5
+        return cls(loads, rank_loads, target, home_slot, share, node_counts, jnp.where(fits, last, 0))
 
     @property
     def home_rank(self) -> Int[Array, " E"]:

@@ -138,9 +138,11 @@ class Copies(NamedTuple):
         return jnp.where(self.used < self.guests.shape[1], self.room(problem, placement), 0)
 
     def spill(self, problem: CopyProblem, placement) -> Int[Array, " E"]:
-        """Each rank's excess over the target, attributed to what its home slots keep, hottest first."""
+        """Each rank's excess over the target, attributed to what its home slots keep, hottest first,
+        the pairs shed last (CopyProblem.shed_last) after the rest."""
         excess = self.rank_loads(placement) - self.kept[placement].sum(1)  # its guests' pairs
-        return spill_per_expert(self.kept, placement, problem.target - excess, home_slot=problem.home_slot)
+        return spill_per_expert(self.kept, placement, problem.target - excess, home_slot=problem.home_slot,
+                                shed_last=problem.shed_last)
 
 
 def share_out(expert: Int[Array, " P"], want: Int[Array, " P"], available: Int[Array, " E"]) -> Int[Array, " P"]:

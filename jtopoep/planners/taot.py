@@ -1,7 +1,8 @@
 """TAOT: the spill between nodes as entropic optimal transport over link costs, rounded to copies.
 
-1. the copy problem and the within-node round, as topoep's (rounds.within_nodes): copies over
-   NVLink first;
+1. the copy problem, the round that copies spilling experts onto the nodes their pairs come from
+   (CopyingPlanner._where_pairs_come_from) and the within-node round, as topoep's: the link-cost
+   plan below prices where the spill goes, not where each expert's pairs come from;
 2. log-domain Sinkhorn (fixed epsilon and iteration count) over the nodes: supply is each node's
    spill left, demand its ranks' open room, cost the link cost between the nodes
    (topology.link_cost); the plan F[n, m] says how much of node n's spill node m should take;
@@ -51,6 +52,7 @@ class TaotPlanner(CopyingPlanner):
     def _place(self, problem: CopyProblem, placement, copies: Copies, held) -> Copies:
         gpus, slots, pricing = self.gpus_per_node, self.guest_slots, self.pricing
         nodes = self.topology.num_nodes
+        copies = self._where_pairs_come_from(problem, placement, copies, held)
         copies = place(copies, *within_nodes(copies, problem, placement, gpus), problem, placement, pricing, held,
                        gpus, overshed=True)
         if nodes > 1:

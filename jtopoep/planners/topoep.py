@@ -1,8 +1,9 @@
 """TopoEP: topology-aware copies in a few parallel rounds, then locality-tiered routing.
 
 1. the copy problem (problem.CopyProblem): target T* = ceil(sum L / R), each rank above it sheds
-   its excess, attributed to its home experts hottest first; ranks below it have room;
-1b. where the pairs come from (_where_tokens_come_from, with two guest slots or
+   its excess, attributed to its home experts hottest first, each one's pairs from its own node
+   last (CopyProblem.shed_last: at home they cross no link); ranks below it have room;
+1b. where the pairs come from (CopyingPlanner._where_pairs_come_from, with two guest slots or
    more): each spilling expert's copies on the nodes whose own sources send it the pairs it
    spills, up to those pairs, in half of each rank's slots: those pairs then cross no link;
 2. within nodes: each node's spill against its own ranks' room, largest first (rounds.match): those
@@ -28,10 +29,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jtopoep.costmodel import crossing_break_even_pairs
 from jtopoep.planners.base import CopyingPlanner
 from jtopoep.planners.problem import CopyProblem
-from jtopoep.planners.rounds import Copies, across_nodes, onto_demand, place, within_nodes
+from jtopoep.planners.rounds import Copies, across_nodes, place, within_nodes
 
 # Rounds across nodes. Each places what the rounds before left for want of a free slot or of room
 # (the room over-shedding opens on a home rank is filled by the next round); chains of that run a
@@ -41,25 +41,9 @@ ACROSS_ROUNDS = 4
 
 @dataclasses.dataclass(frozen=True)
 class TopoEPPlanner(CopyingPlanner):
-    def _where_tokens_come_from(self, problem: CopyProblem, placement, copies: Copies, held) -> Copies:
-        """The first round: copies of each spilling expert on the nodes whose own sources send it the
-        pairs it spills (rounds.onto_demand), so those pairs cross no link, in at most half of each
-        rank's guest slots (the rest stay for balancing: with one slot, none)."""
-        width = self.guest_slots // 2
-        if self.topology.num_nodes == 1 or width == 0:
-            return copies
-        # A piece must keep enough pairs on its node that their crossings outweigh its weights and
-        # gradients crossing, and take half a rank's load: smaller ones left room on ranks whose
-        # slots they had taken, which the balancing rounds could then not fill.
-        least = problem.target // 2
-        if self.dims is not None:
-            least = jnp.maximum(least, int(crossing_break_even_pairs(self.dims)))
-        proposals = onto_demand(copies, problem, placement, self.gpus_per_node, least, width)
-        return place(copies, *proposals, problem, placement, self.pricing, held, self.gpus_per_node, overshed=True)
-
     def _place(self, problem: CopyProblem, placement, copies: Copies, held) -> Copies:
         gpus, pricing = self.gpus_per_node, self.pricing
-        copies = self._where_tokens_come_from(problem, placement, copies, held)
+        copies = self._where_pairs_come_from(problem, placement, copies, held)
         copies = place(copies, *within_nodes(copies, problem, placement, gpus), problem, placement, pricing, held,
                        gpus, overshed=True)
 
