@@ -236,14 +236,19 @@ def onto_ranks_of_nodes(piece_expert: Int[Array, " P"], piece_amount: Int[Array,
                         room: Int[Array, " R"], gpus_per_node: int, slots: int, paired: Bool[Array, ""] | bool = False):
     """Proposals [R, K] that spread pieces (expert, pairs) over the ranks of the node each is bound
     for (row n of node_pieces: the pieces bound for node n): the node's pieces against its ranks'
-    room, both largest first; laid end to end (match), or where `paired`, one piece a rank (pair_off)."""
+    room, both largest first; laid end to end (match), or where `paired`, one piece a rank (pair_off).
+    paired: a device bool, or True or False where the caller knows."""
     num_ranks = room.shape[0]
     node_room = room.reshape(num_ranks // gpus_per_node, gpus_per_node)
-    item, amount = match(piece_amount, node_pieces, node_room, slots)
-    if paired is not False:  # both, and a select on device: a lax.cond would have XLA:GPU read `paired` on the host
+    if paired is not False:
         one_item, one_amount = (jnp.pad(x, ((0, 0), (0, 0), (0, slots - 1)))
                                 for x in pair_off(piece_amount, node_pieces, node_room))
-        item, amount = jnp.where(paired, one_item, item), jnp.where(paired, one_amount, amount)
+    if paired is True:
+        item, amount = one_item, one_amount
+    else:
+        item, amount = match(piece_amount, node_pieces, node_room, slots)
+        if paired is not False:  # both, and a select on device: a lax.cond would have XLA:GPU read `paired` on the host
+            item, amount = jnp.where(paired, one_item, item), jnp.where(paired, one_amount, amount)
     return piece_expert[item].reshape(num_ranks, slots), amount.reshape(num_ranks, slots)
 
 

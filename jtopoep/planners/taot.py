@@ -8,9 +8,8 @@
    (topology.link_cost); the plan F[n, m] says how much of node n's spill node m should take;
 3. rounding: each node's spilling experts (largest first) are laid against its row of floor(F)
    (largest first), so every flow is cut into pieces of whole experts (rounds.match), and each
-   node's pieces against its ranks' room (one piece a rank where slots are scarce:
-   rounds.slots_are_scarce); then topoep's rounds across nodes place what the rounding
-   left (rounds.across_nodes);
+   node's pieces against its ranks' room, one piece a rank (rounds.pair_off); then topoep's
+   rounds across nodes place what the rounding left (rounds.across_nodes);
 4. every round prices its copies at once (problem.paying_pieces), and tokens follow the
    locality-tiered routing (routing.plan_from_quotas).
 
@@ -28,8 +27,7 @@ import jax.numpy as jnp
 
 from jtopoep.planners.base import CopyingPlanner
 from jtopoep.planners.problem import CopyProblem
-from jtopoep.planners.rounds import (Copies, across_nodes, match, onto_ranks_of_nodes, place, slots_are_scarce,
-                                     within_nodes)
+from jtopoep.planners.rounds import Copies, across_nodes, match, onto_ranks_of_nodes, place, within_nodes
 from jtopoep.planners.topoep import ACROSS_ROUNDS
 from jtopoep.planners.sinkhorn import sinkhorn
 
@@ -77,7 +75,9 @@ class TaotPlanner(CopyingPlanner):
                 # flows at most: the pieces of its G largest (ties to the lower node), not of all N.
                 _, sources = jax.lax.top_k(flow.T.astype(jnp.float32), gpus)  # [to, G]
                 node_pieces = jnp.take_along_axis(node_pieces, sources[:, :, None], axis=1)
+            # One piece a rank: laid end to end, the flows' whole-expert pieces were cut into slivers at the
+            # ranks' edges, which took the slots the rounds across nodes then lacked.
             proposals = onto_ranks_of_nodes(item.reshape(-1), amount.reshape(-1), node_pieces.reshape(nodes, -1), room,
-                                            gpus, slots, paired=slots_are_scarce(copies, problem, placement))
+                                            gpus, slots, paired=True)
             copies = place(copies, *proposals, problem, placement, pricing, held, gpus, overshed=True)
         return across_nodes(copies, problem, placement, pricing, held, gpus, ACROSS_ROUNDS)
