@@ -77,9 +77,8 @@ class CopyProblem(NamedTuple):
         last = jnp.where(loads <= target, node_counts[home_node, jnp.arange(loads.shape[0])], 0)
         # Shedding other nodes' pairs first spreads a rank's spill over more of its experts: only
         # where the spilling experts would not outnumber the guest slots on ranks with room by more
-        # than a quarter (top-ups let a guest take the rest of its expert's spill, so a few
-        # more still place: a hot node on 4 x 8 ranks spills 50 experts for 48 slots; 2 x 4 with 14
-        # for 8 did not).
+        # than a quarter (top-ups let a guest take the rest of its expert's spill, so a few more
+        # than the slots still place; many more leave spill no slot takes).
         spilling = (spill_per_expert(loads, placement, target, home_slot=home_slot, shed_last=last) > 0).sum()
         fits = spilling * 4 <= guest_slots * (rank_loads < target).sum() * 5
         return cls(loads, rank_loads, target, home_slot, share, node_counts, jnp.where(fits, last, 0))

@@ -240,14 +240,15 @@ def onto_ranks_of_nodes(piece_expert: Int[Array, " P"], piece_amount: Int[Array,
     paired: a device bool, or True or False where the caller knows."""
     num_ranks = room.shape[0]
     node_room = room.reshape(num_ranks // gpus_per_node, gpus_per_node)
-    if paired is not False:
-        one_item, one_amount = (jnp.pad(x, ((0, 0), (0, 0), (0, slots - 1)))
-                                for x in pair_off(piece_amount, node_pieces, node_room))
+    def one_a_rank():
+        return (jnp.pad(x, ((0, 0), (0, 0), (0, slots - 1))) for x in pair_off(piece_amount, node_pieces, node_room))
+
     if paired is True:
-        item, amount = one_item, one_amount
+        item, amount = one_a_rank()
     else:
         item, amount = match(piece_amount, node_pieces, node_room, slots)
         if paired is not False:  # both, and a select on device: a lax.cond would have XLA:GPU read `paired` on the host
+            one_item, one_amount = one_a_rank()
             item, amount = jnp.where(paired, one_item, item), jnp.where(paired, one_amount, amount)
     return piece_expert[item].reshape(num_ranks, slots), amount.reshape(num_ranks, slots)
 

@@ -75,8 +75,8 @@ class TaotPlanner(CopyingPlanner):
                 # flows at most: the pieces of its G largest (ties to the lower node), not of all N.
                 _, sources = jax.lax.top_k(flow.T.astype(jnp.float32), gpus)  # [to, G]
                 node_pieces = jnp.take_along_axis(node_pieces, sources[:, :, None], axis=1)
-            # One piece a rank: laid end to end, the flows' whole-expert pieces were cut into slivers at the
-            # ranks' edges, which took the slots the rounds across nodes then lacked.
+            # One piece a rank: laid end to end, the flows' whole-expert pieces would be cut into slivers at
+            # the ranks' edges, which take the slots the rounds across nodes need.
             proposals = onto_ranks_of_nodes(item.reshape(-1), amount.reshape(-1), node_pieces.reshape(nodes, -1), room,
                                             gpus, slots, paired=True)
             copies = place(copies, *proposals, problem, placement, pricing, held, gpus, overshed=True)
