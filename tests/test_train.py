@@ -343,7 +343,9 @@ def test_scanned_and_rematerialised_layers_compute_what_the_unrolled_loop_does(d
 
     looped = run(False, "none")
     assert looped[2]["counts"].shape == (1, 2, 8, 16)  # [micro-batches, MoE layers, R, E]
-    for scan, remat in ((True, "none"), (True, "attention"), (True, "full")):
+    # A scan without remat is the attention-remat scan without its jax.checkpoint: the two cases
+    # below cover it (each compile of this model takes a fifth of the test).
+    for scan, remat in ((True, "attention"), (True, "full")):
         got = run(scan, remat)
         for a, b in zip(jax.tree.leaves(looped), jax.tree.leaves(got), strict=True):
             np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-7, err_msg=f"{scan} {remat}")

@@ -2,7 +2,7 @@
 writes alike: the run, resumed each time, ends with the same losses and bit-identical parameters as
 an uninterrupted one.
 
-Each case starts the trainer five times, so a test run takes a sample of the fault-injection cases
+Each case starts the trainer four times, so a test run takes a sample of the fault-injection cases
 (fault_sample)."""
 
 import subprocess
@@ -17,7 +17,7 @@ from conftest import child_env
 from fault_sample import skip_unless_sampled
 
 SEEDS = range(4)
-KILLS = 3
+KILLS = 2
 
 
 def run_file(tmp_path, name):
