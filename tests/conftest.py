@@ -15,6 +15,15 @@ os.environ["XLA_FLAGS"] = " ".join(
     + TEST_XLA_FLAGS + ["--xla_force_host_platform_device_count=8"]
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One compilation cache for the run, shared by the xdist workers (which inherit this environment) and
+# the trainers tests start: many tests build the same tiny model, and a program one process compiled
+# another loads. A fresh folder per run, removed at its end, so nothing carries over between runs.
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
+    import tempfile
+
+    _OWN_CACHE = tempfile.mkdtemp(prefix="jtopoep-tests-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
 # Test helpers (planner_cases, routing_oracle, test_dispatch's oracle) import from tests/ subfolders too.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,3 +67,10 @@ def free_port() -> int:
         s.bind(("localhost", 0))
         return s.getsockname()[1]
 
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:
+        import shutil
+
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
