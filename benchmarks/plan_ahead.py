@@ -36,9 +36,9 @@ from benchmarks.cluster import (MODELS, RESULTS, Deployment, deployment_latency,
 from jtopoep import xla_cpu
 from jtopoep.costmodel import layer_time
 from jtopoep.planners import get_planner
-from jtopoep.planners.arrays import prefix_sum, scatter_add
-from jtopoep.planners.problem import CopyProblem, Shipped
-from jtopoep.planners.rounds import Copies, share_out
+from jtopoep.planners.arrays import prefix_sum
+from jtopoep.planners.problem import CopyProblem
+from jtopoep.planners.rounds import Copies, place, share_out
 from jtopoep.planners.routing import plan_from_quotas
 from jtopoep.topology import Topology
 
@@ -52,19 +52,16 @@ def refit_quotas(counts: Int[Array, "R E"], placement: Int[Array, "R H"], guests
     """(slot_expert, quota) for fixed guest copies: in each round, every guest slot asks for its
     expert's spill above the balance target, up to its rank's room (the rank's slots in order), and
     the spill is shared out first come first served; each expert's home slot keeps the rest."""
-    num_ranks, slots = guests.shape
+    slots = guests.shape[1]
     problem = CopyProblem.build(counts, placement, gpus_per_node, slots)
-    copies = Copies(guests, jnp.zeros_like(guests), problem.loads,
-                    Shipped.none(num_ranks, problem.loads.shape[0], num_ranks // gpus_per_node))
-    expert = jnp.maximum(guests, 0)
+    copies = Copies.start(problem, slots, gpus_per_node)._replace(guests=guests)
     for _ in range(rounds):
         spill, room = copies.spill(problem, placement), copies.room(problem, placement)
-        want = jnp.where(guests >= 0, spill[expert], 0)
+        want = jnp.where(guests >= 0, spill[jnp.maximum(guests, 0)], 0)
         want = jnp.clip(room[:, None] - (prefix_sum(want, 1) - want), 0, want)
         taken = share_out(guests.reshape(-1), want.reshape(-1), spill).reshape(guests.shape)
-        copies = copies._replace(quotas=copies.quotas + taken,
-                                 kept=copies.kept - scatter_add(copies.kept.shape, (expert.reshape(-1),),
-                                                                taken.reshape(-1)))
+        # Each proposal adds to the copy its rank holds already (rounds.place, unpriced).
+        copies = place(copies, guests, taken, problem, placement, None, None, gpus_per_node)
     return (jnp.concatenate([placement, guests], 1),
             jnp.concatenate([copies.kept[placement], copies.quotas], 1))
 

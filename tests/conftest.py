@@ -68,7 +68,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-
 def pytest_unconfigure(config):
     if _OWN_CACHE is not None:
         import shutil
