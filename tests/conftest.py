@@ -15,15 +15,16 @@ os.environ["XLA_FLAGS"] = " ".join(
     + TEST_XLA_FLAGS + ["--xla_force_host_platform_device_count=8"]
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One compilation cache for the run, shared by the xdist workers (which inherit this environment) and
-# the trainers tests start: many tests build the same tiny model, and a program one process compiled
-# another loads. A fresh folder per run, removed at its end, so nothing carries over between runs.
+# One compilation cache for the run, shared by the xdist workers (which inherit this environment):
+# many tests build the same tiny model, and a program one worker compiled the other loads. A fresh
+# folder per run, removed at its end, so nothing carries over between runs.
+_RUN_CACHE = "JTOPOEP_TESTS_COMPILATION_CACHE"  # names the run's cache to the workers
 _OWN_CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
     import tempfile
 
     _OWN_CACHE = tempfile.mkdtemp(prefix="jtopoep-tests-cache-")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_RUN_CACHE] = _OWN_CACHE
 # Test helpers (planner_cases, routing_oracle, test_dispatch's oracle) import from tests/ subfolders too.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,7 +57,12 @@ def child_env(**extra) -> dict:
     """The environment for a trainer started as a child process: this one's, less the emulated
     device count, so the child emulates its own share of the mesh."""
     flags = " ".join(f for f in os.environ["XLA_FLAGS"].split() if "device_count" not in f)
-    return {**os.environ, "XLA_FLAGS": flags, **extra}
+    env = {**os.environ, "XLA_FLAGS": flags}
+    if _RUN_CACHE in env and env.get("JAX_COMPILATION_CACHE_DIR") == env[_RUN_CACHE]:
+        # Not the run's cache: processes of one multi-process run compile the same program at the same
+        # time, and one must not load an entry the other is still writing. A caller may pass its own.
+        env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return {**env, **extra}
 
 
 def free_port() -> int:
