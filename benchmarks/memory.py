@@ -54,6 +54,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--topology", default="h800-4x8")
     parser.add_argument("--planners", nargs="+", default=list(PLANNERS))
     parser.add_argument("--factors", type=float, nargs="+", default=list(FACTORS))
+    parser.add_argument("--gemms", nargs="+", choices=("xla", "tiled", "pallas"), default=None,
+                        help="moe.gemm values to compile (default: xla, tiled and, on h100, pallas)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
     target = args.target or ("h100" if gpu_target.cuda_plugin_installed() else "cpu")
@@ -79,9 +81,13 @@ def main(argv=None) -> list[dict]:
     topology = topo_cfg.to_topology()
     if target == "h100":
         devices = gpu_target.described_gpus(topology.num_nodes, topology.gpus_per_node)
-        on_target, transport, gemms = gpu_target.answering_as(devices), "ragged", ("xla", "pallas")
+        on_target, transport, gemms = gpu_target.answering_as(devices), "ragged", ("xla", "tiled", "pallas")
     else:
-        devices, on_target, transport, gemms = None, contextlib.nullcontext(), "dense", ("xla",)
+        devices, on_target, transport, gemms = None, contextlib.nullcontext(), "dense", ("xla", "tiled")
+    if args.gemms:
+        if target == "cpu" and "pallas" in args.gemms:
+            parser.error("--gemms pallas needs --target h100: on CPU it is megablox in interpret mode")
+        gemms = tuple(args.gemms)
     mesh = make_mesh(topology, devices=devices)
     ranks = topology.num_ranks
     rows = []

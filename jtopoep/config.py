@@ -184,7 +184,8 @@ class MoEConfig:
     # The experts' grouped GEMM (jtopoep.gemm): "xla" (jax.lax.ragged_dot, as XLA lowers it for the
     # backend), "pallas" (megablox on TPU; JAX's Mosaic GPU ragged dot on Hopper GPUs, bfloat16 with
     # d_model and expert_hidden multiples of 128; megablox in interpret mode on CPU, for tests),
-    # "auto": pallas on TPU, xla elsewhere.
+    # "tiled" (a loop over tiles of rows in plain XLA operations, any backend), "auto": pallas on
+    # TPU, tiled on GPUs, xla on CPU.
     gemm: str = "auto"
     sinkhorn_epsilon: float = TaotPlanner.epsilon  # taot only: entropic regularisation, in link-cost units
     sinkhorn_iters: int = TaotPlanner.iterations  # taot only: fixed Sinkhorn iteration count

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jtopoep.gemm import grouped_matmul, sweeps_whole_buffer
+from jtopoep.gemm import grouped_matmul, sweeps_whole_buffer, takes_first_row
 from jtopoep.guests import ExpertWeights, GuestCopies, fetch_guest_weights, hidden_slice, join_hidden
 from jtopoep.ordering import inverse_permutation, stable_order
 from jtopoep.planners.base import PlannerBase, home_quotas
@@ -115,10 +115,10 @@ def assign_slots(expert_ids: Int[Array, " A"], local_counts: Int[Array, " E"], s
     return jnp.zeros(num_pairs, jnp.int32).at[order].set(dest_sorted.astype(jnp.int32), unique_indices=True)
 
 
-def _swiglu_slots(x, weights: ExpertWeights, group_sizes, gemm: str):
-    gate = grouped_matmul(x, weights.gate, group_sizes, gemm)
-    up = grouped_matmul(x, weights.up, group_sizes, gemm)
-    return grouped_matmul(jax.nn.silu(gate) * up, weights.down, group_sizes, gemm)
+def _swiglu_slots(x, weights: ExpertWeights, group_sizes, gemm: str, first_row=0):
+    gate = grouped_matmul(x, weights.gate, group_sizes, gemm, first_row)
+    up = grouped_matmul(x, weights.up, group_sizes, gemm, first_row)
+    return grouped_matmul(jax.nn.silu(gate) * up, weights.down, group_sizes, gemm, first_row)
 
 
 def expert_ffn(x: Float[Array, "rows D"], home_weights: ExpertWeights,
@@ -136,7 +136,7 @@ def expert_ffn(x: Float[Array, "rows D"], home_weights: ExpertWeights,
     home weight gradients are done. Likewise each guest slice is its own grouped GEMM, and their
     outputs add up (SwiGLU sums over hidden units): slice c waits only for its own transfer. The guest
     rows are rotated to the front of the buffer and back (a permutation, so its transpose adds nothing
-    twice).
+    twice), unless the GEMM starts its groups where the guest rows start (jtopoep.gemm.takes_first_row).
 
     single_pass (default: whether the GEMM's cost follows the buffer's rows, jtopoep.gemm): one GEMM
     per hidden slice over every slot, home and guest weights side by side, so the buffer is swept
@@ -161,6 +161,12 @@ def expert_ffn(x: Float[Array, "rows D"], home_weights: ExpertWeights,
         out = _swiglu_slots(x, home_weights, group_sizes[:home], gemm)
         out = jnp.where(row < home_rows, out, 0)
     if guest_slices is None:
+        return out
+    if takes_first_row(gemm):
+        with jax.named_scope("guest_ffn"):
+            for c, part in enumerate(guest_slices):
+                with jax.named_scope(f"slice{c}"):
+                    out = out + _swiglu_slots(x, part, group_sizes[home:], gemm, home_rows)
         return out
     with jax.named_scope("guest_ffn"):
         rotated = jnp.roll(x, -home_rows, axis=0)

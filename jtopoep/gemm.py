@@ -10,7 +10,13 @@ Implementations (moe.gemm):
   call sweeps the whole buffer, so the layer makes one call per hidden slice over home and guest
   slots together: dispatch.expert_ffn); on other GPUs it is refused; on CPU megablox runs in
   Pallas's interpret mode, for tests, not speed.
-- "auto": "pallas" on TPU, "xla" elsewhere.
+- "tiled": a loop over tiles of rows in plain XLA operations (`jtopoep.gemm_tiled`), any backend and
+  dtype: its cost follows the rows in use, plus at most one tile per group, and its temporaries are
+  a tile's. It takes the first row of its groups, so the guest slots need not be moved to row 0.
+- "auto": "pallas" on TPU; "tiled" on GPUs (any shape or dtype, where the Hopper kernels need
+  bfloat16 and multiples of 128; XLA:GPU's expansion of ragged_dot costs groups x rows); "xla" on
+  CPU, where jtopoep.xla_cpu.configure() compiles small loops into one kernel whose products are
+  naive loops, which makes the tiled weight gradient several times slower than ragged_dot's.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-GEMMS = ("auto", "xla", "pallas")
+GEMMS = ("auto", "xla", "pallas", "tiled")
 _TILE = 128
 
 
@@ -27,7 +33,7 @@ def resolve_gemm(gemm: str) -> str:
     if gemm not in GEMMS:
         raise ValueError(f"unknown grouped GEMM {gemm!r}; known: {list(GEMMS)}")
     if gemm == "auto":
-        return "pallas" if jax.default_backend() == "tpu" else "xla"
+        return {"tpu": "pallas", "gpu": "tiled"}.get(jax.default_backend(), "xla")
     return gemm
 
 
@@ -38,9 +44,21 @@ def sweeps_whole_buffer(gemm: str) -> bool:
     return resolve_gemm(gemm) == "pallas" and jax.default_backend() == "gpu"
 
 
+def takes_first_row(gemm: str) -> bool:
+    """Whether grouped_matmul can start the groups past row 0 (otherwise the rows must be moved)."""
+    return resolve_gemm(gemm) == "tiled"
+
+
 def grouped_matmul(x: Float[Array, "M K"], weights: Float[Array, "G K N"], group_sizes: Int[Array, " G"],
-                   gemm: str = "xla") -> Float[Array, "M N"]:
-    """x[rows of group g] @ weights[g] for each group in order; rows past the groups give zeros."""
+                   gemm: str = "xla", first_row: Int[Array, ""] | int = 0) -> Float[Array, "M N"]:
+    """x[rows of group g] @ weights[g] for each group in order, the groups' rows starting at
+    first_row (only where takes_first_row(gemm)); the other rows give zeros."""
+    if resolve_gemm(gemm) == "tiled":
+        from jtopoep.gemm_tiled import tiled_grouped_matmul
+
+        return tiled_grouped_matmul(x, weights, group_sizes, first_row)
+    if not isinstance(first_row, int) or first_row:
+        raise ValueError(f"moe.gemm={gemm} starts the groups at row 0; only moe.gemm=tiled takes first_row")
     if resolve_gemm(gemm) == "xla":
         return jax.lax.ragged_dot(x, weights, group_sizes)
     if sweeps_whole_buffer(gemm):  # pallas on a GPU: the Hopper kernels

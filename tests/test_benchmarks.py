@@ -121,17 +121,19 @@ def test_gpu_check_finds_the_home_gemms_in_the_schedule(devices):
 
 
 def test_gpu_check_of_the_grouped_gemm_runs(devices):
-    """The GPU check's grouped-GEMM accuracy and timing at a small shape, XLA's ragged_dot alone on
-    CPU: near the float32 product, and zeros past the groups though those rows hold 1e4."""
+    """The GPU check's grouped-GEMM accuracy and timing at a small shape, the tiled loop and XLA's
+    ragged_dot on CPU: near the float32 product, and zeros past the groups though those rows hold 1e4."""
     from benchmarks import gpu_check
 
     out = {}
     gpu_check.grouped_gemm(out, d=128, f=128, rows=96, slots=3)
     found = out["grouped_gemm"]
     assert found["hopper_kernels"] is False and "accuracy_pallas" not in found
-    assert found["accuracy_xla"]["rows_past_groups_zero"]
-    assert max(found["accuracy_xla"][k] for k in ("value_rel", "grad_x_rel", "grad_w_rel")) < 1e-2
-    assert {k for k in found if k.startswith("xla_buffer")} == {"xla_buffer_x1", "xla_buffer_x1.25", "xla_buffer_x2"}
+    for gemm in ("tiled", "xla"):
+        assert found[f"accuracy_{gemm}"]["rows_past_groups_zero"]
+        assert max(found[f"accuracy_{gemm}"][k] for k in ("out_rel", "grad_x_rel", "grad_w_rel")) < 1e-2
+        timed = {k for k in found if k.startswith(f"{gemm}_buffer")}
+        assert timed == {f"{gemm}_buffer_x{f}" for f in ("1", "1.25", "2")}
 
 
 def test_gpu_check_of_kept_copies_runs(devices):

@@ -9,6 +9,7 @@ import pytest
 from jax.extend.core import Var
 from jax.sharding import PartitionSpec as P
 
+from jtopoep import gemm_tiled
 from jtopoep.dispatch import ExpertWeights, assign_slots, expert_ffn, moe_dispatch
 from jtopoep.gemm import grouped_matmul
 from jtopoep.guests import GuestCopies, hidden_slice
@@ -50,7 +51,7 @@ def reference(x, ids, gates, w):
 
 
 @functools.lru_cache(maxsize=None)
-def layer(preset, planner_name, hierarchical, recv_rows=None, guest_slots=2):
+def layer(preset, planner_name, hierarchical, recv_rows=None, guest_slots=2, gemm="auto"):
     topo = Topology.preset(preset)
     planner = get_planner(planner_name, topology=topo, num_experts=E,
                           guest_slots=0 if planner_name == "none" else guest_slots)
@@ -58,7 +59,7 @@ def layer(preset, planner_name, hierarchical, recv_rows=None, guest_slots=2):
 
     def body(x, ids, gates, wg, wu, wd):
         y, stats = moe_dispatch(x, ids, gates, ExpertWeights(wg, wu, wd), placement, planner, backend="dense",
-                                hierarchical=hierarchical, recv_rows=recv_rows)
+                                hierarchical=hierarchical, recv_rows=recv_rows, gemm=gemm)
         return y, jax.tree.map(lambda a: a[None], (stats.quotas, stats.dropped, stats.scaleout_rows))
 
     fn = jax.shard_map(body, mesh=make_mesh(topo), in_specs=(SPEC,) * 6, out_specs=(SPEC, SPEC))
@@ -82,20 +83,24 @@ def ref_loss(x, gates, w, ids):
     return (jnp.sin(y) * y).sum()
 
 
-# The last element of a case: rows of each receive buffer; None is room for every pair of every source
-# (R * T * k), 2 * T * K_TOP twice a rank's own pairs, which these balanced plans never exceed.
-# Planners differ only in the plan they hand the dispatch; the transport paths (flat, hierarchical,
-# each mesh shape, bounded buffers) are what the cases span.
-CASES = [("cpu-2x4", name, h, None) for name in ("none", "topoep") for h in (False, True)]
-CASES += [("cpu-2x4", "eplb", False, None), ("cpu-2x4", "taot", True, None)]
-CASES += [("cpu-1x8", "topoep", False, 2 * T * K_TOP), ("cpu-4x2", "topoep", True, 2 * T * K_TOP),
-          ("cpu-4x2", "taot", False, None)]
+# A case's last two elements: rows of each receive buffer, where None is room for every pair of
+# every source (R * T * k) and 2 * T * K_TOP twice a rank's own pairs, which these balanced plans
+# never exceed; and the grouped GEMM, the tiled loop with tiles of 16 rows so that slots span tiles
+# and tiles hold several slots. Planners differ only in the plan they hand the dispatch; the
+# transport paths (flat, hierarchical, each mesh shape, bounded buffers) are what the cases span.
+CASES = [("cpu-2x4", name, h, None, "xla") for name in ("none", "topoep") for h in (False, True)]
+CASES += [("cpu-2x4", "eplb", False, None, "xla"), ("cpu-2x4", "taot", True, None, "xla")]
+CASES += [("cpu-1x8", "topoep", False, 2 * T * K_TOP, "xla"), ("cpu-4x2", "topoep", True, 2 * T * K_TOP, "xla"),
+          ("cpu-4x2", "taot", False, None, "xla"), ("cpu-2x4", "topoep", True, None, "tiled"),
+          ("cpu-4x2", "eplb", True, 2 * T * K_TOP, "tiled")]
 
 
-@pytest.mark.parametrize("preset,planner_name,hierarchical,recv_rows", CASES)
-def test_layer_matches_dense_loop(devices, preset, planner_name, hierarchical, recv_rows):
+@pytest.mark.parametrize("preset,planner_name,hierarchical,recv_rows,gemm", CASES)
+def test_layer_matches_dense_loop(devices, monkeypatch, preset, planner_name, hierarchical, recv_rows, gemm):
+    monkeypatch.setattr(gemm_tiled, "ROW_TILE", 16)
+    monkeypatch.setattr(gemm_tiled, "WEIGHT_GRADIENT_TILE", 16)
     x, ids, gates, w = make_inputs()
-    forward, grads = layer(preset, planner_name, hierarchical, recv_rows)
+    forward, grads = layer(preset, planner_name, hierarchical, recv_rows, gemm=gemm)
     y, (quotas, dropped, _) = forward(x, ids, gates, *w)
     assert (np.asarray(dropped) == 0).all()
     np.testing.assert_allclose(np.asarray(y), np.asarray(reference(x, ids, gates, w)), atol=ATOL, rtol=0)
@@ -327,7 +332,7 @@ def ffn_reference_loss(x, w):
 # F = 7 slices: the guest GEMM one hidden unit at a time; "pallas": megablox, in interpret mode here.
 # single_pass: one GEMM per slice over home and guest slots together (as with the Hopper kernels).
 @pytest.mark.parametrize("chunks,gemm,single_pass", [(1, "xla", False), (F, "xla", False), (1, "pallas", False),
-                                                     (1, "xla", True), (F, "xla", True)])
+                                                     (1, "xla", True), (F, "xla", True), (F, "tiled", False)])
 def test_expert_ffn_matches_per_row_reference_with_gradients(chunks, gemm, single_pass):
     x, w = ffn_inputs()
     (got, y), grads = jax.value_and_grad(functools.partial(ffn_loss, chunks=chunks, gemm=gemm, single_pass=single_pass),
@@ -419,7 +424,7 @@ def test_relay_dispatch_lowers_to_ragged_all_to_alls(devices):
 
 
 def test_unknown_gemm_is_refused():
-    with pytest.raises(ValueError, match=r"unknown grouped GEMM 'cublas'; known: \['auto', 'xla', 'pallas'\]"):
+    with pytest.raises(ValueError, match=r"unknown grouped GEMM 'cublas'; known: \['auto', 'xla', 'pallas', 'tiled'\]"):
         grouped_matmul(jnp.ones((4, 2)), jnp.ones((1, 2, 3)), jnp.array([4], jnp.int32), "cublas")
 
 

@@ -1,7 +1,12 @@
-"""The Hopper grouped GEMM's wrapper (jtopoep.gemm_hopper) on CPU: its kernels run only on Hopper
-GPUs, so here they are stood in for by host callbacks that compute the same products and, like the
-kernels, return values that carry no mesh axes. What is checked is the wrapper: rows past the groups,
-the custom backward, and the cotangent types inside shard_map."""
+"""The grouped GEMMs against jax.lax.ragged_dot on CPU.
+
+The tiled loop (jtopoep.gemm_tiled) runs here as it runs anywhere. The Hopper kernels
+(jtopoep.gemm_hopper) run only on Hopper GPUs, so here they are stood in for by host callbacks that
+compute the same products and, like the kernels, return values that carry no mesh axes: what is
+checked is the wrapper (rows past the groups, the custom backward, the cotangent types inside
+shard_map)."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jtopoep import gemm_hopper
+from jtopoep import gemm_hopper, gemm_tiled
 
 ROWS, DEPTH, WIDTH, GROUPS = 24, 128, 128, 3  # the kernels' tiles: feature sizes multiples of 128
 
@@ -49,10 +54,66 @@ def host_kernels(monkeypatch):
     monkeypatch.setattr(gemm_hopper, "_weight_gradient", _host_weight_gradient)
 
 
+def _value_and_gradients(matmul, x, w, sizes, cotangent):
+    y, back = jax.vjp(lambda x, w: matmul(x, w, sizes), x, w)
+    return y, *back(cotangent)
+
+
+def _tiled_cases(rows: int, groups: int, count: int) -> list[np.ndarray]:
+    """Group sizes with empty groups, groups inside one tile, groups over several, rows past the groups."""
+    rng = np.random.default_rng(rows)
+    cases = [np.zeros(groups, int), np.eye(groups, dtype=int)[0] * rows, np.eye(groups, dtype=int)[-1] * rows]
+    while len(cases) < count:
+        sizes = rng.multinomial(int(rng.integers(0, rows + 1)), rng.dirichlet(np.ones(groups) * 0.5))
+        cases.append(sizes)
+    return cases
+
+
+@pytest.mark.parametrize("rows", [37, 5])  # 37: five tiles, the last slid back over the fourth; 5: under a tile
+def test_tiled_loop_matches_ragged_dot_with_gradients(monkeypatch, rows):
+    """Values, input and weight gradients equal jax.lax.ragged_dot's for many group layouts, with
+    tiles of 8 rows (16 for the weight gradient) so that groups span tiles and tiles hold several
+    groups; rows past the groups give zeros and no gradient."""
+    monkeypatch.setattr(gemm_tiled, "ROW_TILE", 8)
+    monkeypatch.setattr(gemm_tiled, "WEIGHT_GRADIENT_TILE", 16)
+    groups, rng = 4, np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(rows, 5)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(groups, 5, 7)), jnp.float32)
+    cotangent = jnp.asarray(rng.normal(size=(rows, 7)), jnp.float32)
+    tiled = jax.jit(functools.partial(_value_and_gradients, gemm_tiled.tiled_grouped_matmul))
+    reference = jax.jit(functools.partial(_value_and_gradients, jax.lax.ragged_dot))
+    for sizes in _tiled_cases(rows, groups, 40):
+        sizes = jnp.asarray(sizes, jnp.int32)
+        for got, want in zip(tiled(x, w, sizes, cotangent), reference(x, w, sizes, cotangent)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"group sizes {sizes}")
+        y, grad_x, _ = tiled(x, w, sizes, cotangent)
+        assert not np.asarray(y)[int(sizes.sum()):].any() and not np.asarray(grad_x)[int(sizes.sum()):].any()
+
+
+def test_tiled_loop_trip_count_is_static_and_bounded():
+    """tiles + groups - 1 steps: a group boundary inside a tile adds one; empty groups add none."""
+    sizes = jnp.asarray([3, 0, 9, 0, 20, 1], jnp.int32)
+    items = gemm_tiled.WorkItems(sizes, rows=40, tile=8)
+    assert items.count == 5 + 6 - 1
+    owned = [(int(items.group[i]), int(items.own_start[i]), int(items.own_end[i])) for i in range(items.count)]
+    assert [o for o in owned if o[2] > o[1]] == [(0, 0, 3), (2, 3, 8), (2, 8, 12), (4, 12, 16), (4, 16, 24),
+                                                  (4, 24, 32), (5, 32, 33)]
+
+
 def test_hopper_wrapper_gradients_inside_shard_map_match_ragged_dot(devices, host_kernels):
     """Per rank its own rows, weights and groups (some rows past the groups): values and both
     gradients equal jax.lax.ragged_dot's, and the backward's cotangents vary over the mesh axes as
     their primals do (shard_map refuses them otherwise)."""
+    _check_inside_shard_map(devices, gemm_hopper.hopper_grouped_matmul)
+
+
+def test_tiled_loop_gradients_inside_shard_map_match_ragged_dot(devices, monkeypatch):
+    """The tiled loop's carries and cotangents vary over the mesh axes as its inputs do."""
+    monkeypatch.setattr(gemm_tiled, "ROW_TILE", 8)
+    _check_inside_shard_map(devices, gemm_tiled.tiled_grouped_matmul)
+
+
+def _check_inside_shard_map(devices, matmul):
     mesh = jax.make_mesh((2, 4), ("node", "gpu"), devices=devices)
     ranks = 8
     kx, kw = jax.random.split(jax.random.key(0))
@@ -73,7 +134,7 @@ def test_hopper_wrapper_gradients_inside_shard_map_match_ragged_dot(devices, hos
 
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(P(), (spec, spec))))
 
-    got_loss, (got_x, got_w) = per_rank(gemm_hopper.hopper_grouped_matmul)(x, w, sizes)
+    got_loss, (got_x, got_w) = per_rank(matmul)(x, w, sizes)
     want_loss, (want_x, want_w) = per_rank(jax.lax.ragged_dot)(x, w, sizes)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     np.testing.assert_allclose(got_x, want_x, rtol=1e-5, atol=1e-5)
