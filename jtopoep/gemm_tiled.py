@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from jtopoep.buffers import zeros_after
+
 # Rows per tile: products of 512 rows keep a GPU's matrix units busy for any expert width, and a
 # boundary tile's waste ((groups - 1) tiles in all) stays small against tens of thousands of rows.
 ROW_TILE = 512
@@ -75,7 +77,7 @@ def _rows_product(a, weights, group_sizes, first_row, contract_weight_axis: int)
         before = jax.lax.dynamic_slice_in_dim(out, first_row, items.tile)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(owned, product, before), first_row, 0)
 
-    out = _varying_like(jnp.zeros((rows, width), a.dtype), a, weights)
+    out = _varying_like(zeros_after(a, (rows, width), a.dtype), a, weights)
     return jax.lax.fori_loop(0, items.count, step, out)
 
 
@@ -95,8 +97,8 @@ def _weight_gradient(x, grad, group_sizes, first_row, weights_dtype):
         return running, gradient
 
     shape = (x.shape[1], grad.shape[1])
-    running = _varying_like(jnp.zeros(shape, jnp.float32), x, grad)
-    gradient = _varying_like(jnp.zeros((groups, *shape), weights_dtype), x, grad)
+    running = _varying_like(zeros_after(grad, shape, jnp.float32), x, grad)
+    gradient = _varying_like(zeros_after(grad, (groups, *shape), weights_dtype), x, grad)
     return jax.lax.fori_loop(0, items.count, step, (running, gradient))[1]
 
 

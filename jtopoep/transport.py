@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int, Shaped
 
+from jtopoep.buffers import zeros_after
+
 BACKENDS = ("auto", "ragged", "dense")
 
 
@@ -90,7 +92,7 @@ def _stage(x, sizes: Int[Array, "P P"], me, axis_name, out_rows: int, backend: s
     send = sizes[me]
     recv = sizes[:, me]
     output_offsets = exclusive_cumsum(sizes, axis=0)[me]  # where my rows land on each receiver
-    output = jnp.zeros((out_rows,) + x.shape[1:], x.dtype)
+    output = zeros_after(x, (out_rows,) + x.shape[1:], x.dtype)
     return _all_to_all(backend, x, output, exclusive_cumsum(send), send, output_offsets, recv, axis_name,
                        capacity)
 
@@ -104,7 +106,7 @@ def exchange_rows(x: Shaped[Array, "rows *feat"], send: Int[Array, " R"], recv: 
     backend = resolve_backend(backend)
     capacity = x.shape[0] if capacity is None else capacity
     landing = jax.lax.all_to_all(exclusive_cumsum(recv).reshape(-1, 1), axes, 0, 0, tiled=False)[:, 0]
-    output = jnp.zeros((out_rows,) + x.shape[1:], x.dtype)
+    output = zeros_after(x, (out_rows,) + x.shape[1:], x.dtype)
     return _all_to_all(backend, x, output, exclusive_cumsum(send), send, landing, recv, axes, capacity)
 
 
