@@ -17,7 +17,8 @@ Stage-1 sizes are not in the plan (they count distinct (token, node) rows): one 
 [R, N] count, beside the routing counts, gives them to every rank. Stage-2 sizes are the plan's own.
 
 Sums are in float32 in a fixed order (choice by choice), so the result is bitwise deterministic. The
-backward pass is JAX's transpose of the same gathers and exchanges. Buffers: the relay's stage-1 and
+backward pass is JAX's transpose of the same gathers and exchanges, except the combine's sums, whose
+rows are each gathered once, so their gradients are gathers too (weighted_row_sum). Buffers: the relay's stage-1 and
 stage-2 buffers hold relay_rows rows each, the destination's recv_rows; `rank_route.cut_relays` cuts a
 route so a relay never forwards more pairs than relay_rows (a relay then never receives more stage-1
 rows). The
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from jtopoep.ordering import inverse_permutation, stable_order
 from jtopoep.transport import _stage, exclusive_cumsum, regroup
@@ -117,16 +118,47 @@ def relay_dispatch(x: Float[Array, "T D"], gates: Float[Array, "T k"], dest: Int
     back = regroup(regroup(out, my_route.T), from_relays.T)
     returned = _stage(back, to_gpus.T, out_rows=relay_rows, **stage2)
     position = inverse_permutation(full_order).reshape(arrived_rows, top_k)  # live pairs: < relay_rows
-    arrived_gates = arrived[:, -top_k:].astype(jnp.float32)
-    summed = jnp.zeros((arrived_rows, x.shape[1]), jnp.float32)
-    for i in range(top_k):  # choice by choice: a fixed order of summation
-        pair_out = returned[jnp.minimum(position[:, i], relay_rows - 1)].astype(jnp.float32)
-        summed += jnp.where(live[:, i:i + 1], arrived_gates[:, i:i + 1] * pair_out, 0)
+    arrived_gates = jnp.where(live, arrived[:, -top_k:].astype(jnp.float32), 0)
+    summed = weighted_row_sum(returned, jnp.minimum(position, relay_rows - 1), arrived_gates, live)
     home = _stage(summed.astype(dtype), across.T, out_rows=send_rows, **stage1)
 
     # At the source: a token's rows from the nodes it reached, summed choice by choice.
-    y = jnp.zeros(x.shape, jnp.float32)
-    for i in range(top_k):
-        at = row_of[jnp.minimum(dest_node[:, i], nodes - 1), jnp.arange(num_tokens)]
-        y += jnp.where(first[:, i:i + 1], home[jnp.minimum(at, send_rows - 1)].astype(jnp.float32), 0)
+    at = row_of[jnp.minimum(dest_node, nodes - 1), jnp.arange(num_tokens)[:, None]]  # [T, k]
+    y = weighted_row_sum(home, jnp.minimum(at, send_rows - 1), first.astype(jnp.float32), first)
     return y.astype(dtype), rows_to_nodes
+
+
+@jax.custom_vjp
+def weighted_row_sum(rows: Float[Array, "n D"], index: Int[Array, "T k"], weight: Float[Array, "T k"],
+                     valid: Bool[Array, "T k"]) -> Float[Array, "T D"]:
+    """out[t] = sum over i of weight[t, i] * rows[index[t, i]] where valid[t, i], in float32, choice
+    by choice (a fixed order of summation). The valid entries of `index` are distinct, so each row's
+    gradient is one entry's: a gather by the inverse index, where autodiff would scatter-add every
+    choice into its own zeroed copy of `rows` (k of them live at once in the backward pass)."""
+    out = None
+    for i in range(index.shape[1]):
+        term = jnp.where(valid[:, i:i + 1], weight[:, i:i + 1] * rows[index[:, i]].astype(jnp.float32), 0)
+        out = term if out is None else out + term
+    return out
+
+
+def _weighted_row_sum_forward(rows, index, weight, valid):
+    return weighted_row_sum(rows, index, weight, valid), (rows, index, weight, valid)
+
+
+def _weighted_row_sum_backward(residuals, grad):
+    rows, index, weight, valid = residuals
+    num_rows, (num_tokens, top_k) = rows.shape[0], index.shape
+    entry = jnp.arange(num_tokens * top_k, dtype=jnp.int32)
+    # The entry each row was gathered by, -1 where none (entries not valid land past the rows).
+    owner = jnp.full(num_rows + 1, -1, jnp.int32).at[jnp.where(valid, index, num_rows).reshape(-1)].set(
+        entry, unique_indices=True)[:num_rows]
+    taken = owner >= 0
+    owner = jnp.maximum(owner, 0)
+    grad_rows = jnp.where(taken[:, None], weight.reshape(-1)[owner][:, None] * grad[owner // top_k], 0)
+    grad_weight = jnp.stack([jnp.where(valid[:, i], (grad * rows[index[:, i]].astype(jnp.float32)).sum(1), 0)
+                             for i in range(top_k)], axis=1)
+    return grad_rows.astype(rows.dtype), None, grad_weight.astype(weight.dtype), None
+
+
+weighted_row_sum.defvjp(_weighted_row_sum_forward, _weighted_row_sum_backward)
