@@ -15,8 +15,9 @@ Implementations (moe.gemm):
   a tile's. It takes the first row of its groups, so the guest slots need not be moved to row 0.
 - "auto": "pallas" on TPU; "tiled" on GPUs (any shape or dtype, where the Hopper kernels need
   bfloat16 and multiples of 128; XLA:GPU's expansion of ragged_dot costs groups x rows); "xla" on
-  CPU, where jtopoep.xla_cpu.configure() compiles small loops into one kernel whose products are
-  naive loops, which makes the tiled weight gradient several times slower than ragged_dot's.
+  CPU, where jtopoep.xla_cpu.configure() compiles a loop touching under 16 MiB into one kernel of
+  naive products, which makes small layers' tiled weight gradient (the tiny model's) several times
+  slower than ragged_dot (benchmarks/results/gemm_cpu.md; larger layers run faster tiled).
 """
 
 from __future__ import annotations

@@ -136,6 +136,13 @@ def test_gpu_check_of_the_grouped_gemm_runs(devices):
         assert timed == {f"{gemm}_buffer_x{f}" for f in ("1", "1.25", "2")}
 
 
+def test_gemm_benchmark_times_each_gemm():
+    from benchmarks import gemm
+
+    (row,) = gemm.measure([(64, 8, 8, 3)], rounds=1, pin=False)
+    assert row["groups"] == 3 and row["xla_ms"] > 0 and row["tiled_ms"] > 0
+
+
 def test_gpu_check_of_kept_copies_runs(devices):
     """The GPU check of kept guest copies, with the dense transport on both sides on CPU."""
     from benchmarks import gpu_check
