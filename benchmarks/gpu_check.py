@@ -269,12 +269,31 @@ def grouped_gemm(out: dict, d: int = 2048, f: int = 1408, rows: int = 4096 * 6, 
     out["grouped_gemm"] = result
 
 
-def guest_overlap(out: dict, backend: str = "ragged") -> None:
-    """Where the compiled forward layer (topoep, K = 2) schedules the guest-weight transfer against
-    the home-slot GEMMs: the entry computation's instructions in schedule order, those named under
-    the "guest_weights" scope that start or finish an asynchronous operation, and those of the
-    "home_ffn" scope that are GEMMs. The transfer hides behind the home GEMMs when they all lie
-    between its start and its done."""
+def _opcode(line: str) -> str | None:
+    """The opcode of one HLO instruction line, after its result type (a tuple type has spaces)."""
+    _, sep, rest = line.partition("=")
+    rest = rest.lstrip()
+    if not sep or not rest:
+        return None
+    if rest.startswith("("):  # skip the tuple type, parentheses balanced
+        depth = 0
+        for end, char in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(char, 0)
+            if depth == 0:
+                break
+        rest = rest[end + 1:]
+    else:
+        rest = rest.partition(" ")[2]
+    opcode = rest.strip().partition("(")[0]
+    return opcode if opcode.replace("-", "").isalnum() else None
+
+
+def guest_overlap(out: dict, backend: str = "ragged", gemm: str = "auto") -> None:
+    """Where the compiled forward layer (topoep, K = 2, moe.gemm `gemm`) schedules the guest-weight
+    transfer against the home-slot GEMMs: the entry computation's instructions in schedule order,
+    those named under the "guest_weights" scope that start or finish an asynchronous operation, and
+    those of the "home_ffn" scope that are GEMMs (a dot, or the loop of the tiled GEMM). The transfer
+    hides behind the home GEMMs when they all lie between its start and its done."""
     import re
 
     topology, mesh, args, experts = layer_inputs()
@@ -283,28 +302,33 @@ def guest_overlap(out: dict, backend: str = "ragged") -> None:
         print("guest-weight overlap: skipped (one GPU)", flush=True)
         return
     planner = get_planner("topoep", topology=topology, num_experts=experts, guest_slots=2)
-    hlo = jax.jit(dispatch_layer(planner, mesh, experts, backend)).lower(*args).compile().as_text()
+    hlo = jax.jit(dispatch_layer(planner, mesh, experts, backend, gemm=gemm)).lower(*args).compile().as_text()
     entry = hlo[hlo.index("\nENTRY"):].splitlines()
     entry = entry[:next(i for i, line in enumerate(entry) if line.startswith("}")) + 1]
     starts, dones, gemms = [], [], []
     slice_starts, slice_dones, slice_gemms = {}, {}, {}  # slice -> schedule positions
+
+    def is_gemm(op_name: str, line: str) -> bool:  # a dot, fused or a library call, or a tiled GEMM's loop
+        return op_name.endswith("dot_general") or bool(
+            re.search(r"(home_ffn|slice\d+)/while$", op_name) and _opcode(line) == "while")
+
     for i, line in enumerate(entry):
         name = re.search(r'op_name="([^"]*)"', line)
-        opcode = re.search(r"=\s*\S+\s+([\w-]+)\(", line)
+        opcode = _opcode(line)
         if not name or not opcode:
             continue
         piece = re.search(r"/slice(\d+)/", name.group(1))
-        if "guest_weights" in name.group(1) and opcode.group(1).endswith("-start"):
-            starts.append((i, opcode.group(1)))
+        if "guest_weights" in name.group(1) and opcode.endswith("-start"):
+            starts.append((i, opcode))
             if piece:
                 slice_starts.setdefault(int(piece.group(1)), []).append(i)
-        elif "guest_weights" in name.group(1) and opcode.group(1).endswith("-done"):
-            dones.append((i, opcode.group(1)))
+        elif "guest_weights" in name.group(1) and opcode.endswith("-done"):
+            dones.append((i, opcode))
             if piece:
                 slice_dones.setdefault(int(piece.group(1)), []).append(i)
-        elif "home_ffn" in name.group(1) and name.group(1).endswith("dot_general"):  # a dot, fused or a library call
-            gemms.append((i, opcode.group(1)))
-        elif "guest_ffn" in name.group(1) and name.group(1).endswith("dot_general") and piece:
+        elif "home_ffn" in name.group(1) and is_gemm(name.group(1), line):
+            gemms.append((i, opcode))
+        elif "guest_ffn" in name.group(1) and is_gemm(name.group(1), line) and piece:
             slice_gemms.setdefault(int(piece.group(1)), []).append(i)
     hidden = bool(starts and dones and gemms and min(i for i, _ in starts) < min(i for i, _ in gemms)
                   and max(i for i, _ in gemms) < max(i for i, _ in dones))
@@ -312,7 +336,7 @@ def guest_overlap(out: dict, backend: str = "ragged") -> None:
     # transfer's first start and last done.
     overlapped = {c: any(min(slice_starts[c + 1]) < i < max(slice_dones[c + 1]) for i in slice_gemms.get(c, []))
                   for c in sorted(slice_gemms) if c + 1 in slice_starts and c + 1 in slice_dones}
-    out["guest_overlap"] = {"backend": backend, "async_starts": starts, "async_dones": dones,
+    out["guest_overlap"] = {"backend": backend, "gemm": gemm, "async_starts": starts, "async_dones": dones,
                             "home_gemms": gemms, "home_gemms_inside_transfer": hidden,
                             "slice_gemms": slice_gemms, "slice_gemms_inside_next_transfer": overlapped}
     print(f"guest-weight transfer around the home GEMMs: {len(starts)} async starts, {len(dones)} dones, "

@@ -104,14 +104,15 @@ def test_projection_with_kept_copies_saves_only_weight_transfers():
         assert 0 < kept[name]["weights_s"] < fetched[name]["weights_s"]
 
 
-def test_gpu_check_finds_the_home_gemms_in_the_schedule(devices):
+@pytest.mark.parametrize("gemm", ["xla", "tiled"])
+def test_gpu_check_finds_the_home_gemms_in_the_schedule(devices, gemm):
     """The GPU check reads the compiled layer's schedule; on CPU (dense transport, synchronous
-    collectives) it must still find the home-slot GEMMs (gate, up, down) and each guest slice's, and
-    report no overlap."""
+    collectives) it must still find the home-slot GEMMs (gate, up, down; dots, or the tiled GEMM's
+    loops) and each guest slice's, and report no overlap."""
     from benchmarks import gpu_check
 
     out = {}
-    gpu_check.guest_overlap(out, backend="dense")
+    gpu_check.guest_overlap(out, backend="dense", gemm=gemm)
     found = out["guest_overlap"]
     assert len(found["home_gemms"]) == 3 and not found["async_starts"]
     assert found["home_gemms_inside_transfer"] is False
