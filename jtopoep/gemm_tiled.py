@@ -33,6 +33,9 @@ class WorkItems:
 
     def __init__(self, group_sizes: Int[Array, " G"], rows: int, tile: int, first_row: Int[Array, ""] | int = 0):
         groups = group_sizes.shape[0]
+        if rows < 1 or groups < 1:
+            raise ValueError(f"the tiled grouped GEMM needs at least one row and one group; got {rows} rows and "
+                             f"{groups} groups")
         self.tile = min(tile, rows)
         tiles = -(-rows // self.tile)
         self.count = tiles + groups - 1  # every group boundary inside a tile adds at most one item

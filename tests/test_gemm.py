@@ -100,6 +100,13 @@ def test_tiled_loop_trip_count_is_static_and_bounded():
                                                   (4, 24, 32), (5, 32, 33)]
 
 
+def test_tiled_loop_refuses_an_empty_buffer_or_no_group():
+    with pytest.raises(ValueError, match="needs at least one row and one group; got 0 rows and 2 groups"):
+        gemm_tiled.tiled_grouped_matmul(jnp.ones((0, 3)), jnp.ones((2, 3, 4)), jnp.zeros(2, jnp.int32))
+    with pytest.raises(ValueError, match="got 4 rows and 0 groups"):
+        gemm_tiled.tiled_grouped_matmul(jnp.ones((4, 3)), jnp.ones((0, 3, 4)), jnp.zeros(0, jnp.int32))
+
+
 def test_hopper_wrapper_gradients_inside_shard_map_match_ragged_dot(devices, host_kernels):
     """Per rank its own rows, weights and groups (some rows past the groups): values and both
     gradients equal jax.lax.ragged_dot's, and the backward's cotangents vary over the mesh axes as
