@@ -74,8 +74,8 @@ def main(argv=None) -> dict:
         print(json.dumps(measure(shapes, rounds)))
         return {}
     default = measure(shapes, rounds)
-    child = subprocess.run([sys.executable, "-m", "benchmarks.gemm", "--configured"] + (["--quick"] if args.quick else []),
-                           check=True, capture_output=True, text=True)
+    command = [sys.executable, "-m", "benchmarks.gemm", "--configured"] + (["--quick"] if args.quick else [])
+    child = subprocess.run(command, check=True, capture_output=True, text=True)
     configured = json.loads(child.stdout.strip().splitlines()[-1])
     result = {"default": default, "configured": configured}
     args.out.mkdir(parents=True, exist_ok=True)

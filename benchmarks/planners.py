@@ -68,14 +68,9 @@ def time_call(fn, arg, repeats: int) -> float:
     return statistics.median(times)
 
 
-# Executables per planner that latency() times. Identical programs compiled separately did not run
-# equally fast here: of eight compilations of topoep in one process (the same optimised HLO and
-# buffer assignment), half took about 125 us a call up to the end of its copy loop and half 70. A
-# profile of a slow and a fast one (perf, the same machine code) put the difference on the loop's
-# update of its [R, C] bool `holds` array, a masked select over the whole array each step, compiled
-# to byte-wise read-modify-writes whose samples piled up in the slow executables only. Written as an
-# update of one entry (planners.common.set_entry), eight compilations took 64-71 us to that point
-# and 175-190 us in all. Timing several executables still guards against the next such draw.
+# Executables per planner that latency() times: identical programs compiled separately have run at
+# different speeds here (the same HLO and buffer assignment, their machine code laid out apart), so
+# the figure is the median over several executables, not one draw.
 COMPILES = 4
 
 
