@@ -20,9 +20,11 @@ from jaxtyping import Array, Bool, Float, Int
 
 from jtopoep.buffers import zeros_after
 
-# Rows per tile: products of 512 rows keep a GPU's matrix units busy for any expert width, and a
-# boundary tile's waste ((groups - 1) tiles in all) stays small against tens of thousands of rows.
-ROW_TILE = 512
+# Rows per tile. Each step also copies its slot's [K, N] weights out of the stack (XLA:GPU does not
+# fuse the dynamic slice into the product), which costs a GPU about 250 / tile of the product's
+# time, while the boundary tiles add up to (groups - 1) tiles of work: 1,024 rows keeps both small
+# for buffers of tens of thousands of rows.
+ROW_TILE = 1024
 # The weight gradient's tile is larger: each item adds a [K, N] float32 partial sum into the
 # group's running sum, whose traffic a tile of 2,048 rows amortises over the product.
 WEIGHT_GRADIENT_TILE = 2048
