@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from jtopoep.varying import varying_like
+
 TILE = 128  # rows and columns of an output tile
 DEPTH = 64  # contraction step: 128 bytes of bfloat16, the widest TMA swizzle
 STAGES = 4  # pipelined operand tiles in shared memory: 4 x 2 x 16 KiB + a 32 KiB output tile
@@ -81,20 +83,7 @@ def _backward(residuals, grad):
     grad_x = _ragged_dot(grad, weights, group_sizes, transpose_rhs=True)
     # The kernel masks neighbouring groups' rows by multiplying: rows past the groups must be finite.
     grad_w = _weight_gradient(jnp.where(used, x, 0), grad, group_sizes)
-    return _varying_like(grad_x, x), _varying_like(grad_w.astype(weights.dtype), weights), None
-
-
-def _varying_like(value: jax.Array, reference: jax.Array) -> jax.Array:
-    # Inside shard_map a cotangent must vary over the same mesh axes as its primal; the kernels'
-    # outputs carry none, so mark them varying where the primal is.
-    missing = tuple(sorted(_varying_axes(reference) - _varying_axes(value)))
-    return jax.lax.pcast(value, missing, to="varying") if missing else value
-
-
-def _varying_axes(value: jax.Array) -> frozenset:
-    aval = jax.typeof(value)
-    mat = getattr(aval, "mat", None)  # the manual-axis type since JAX 0.10; `vma` before
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+    return varying_like(grad_x, x), varying_like(grad_w.astype(weights.dtype), weights), None
 
 
 hopper_grouped_matmul.defvjp(_forward, _backward)

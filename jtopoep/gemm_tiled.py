@@ -12,13 +12,12 @@ tiles in float32 and rounds once, as one product over the group's rows would.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from jtopoep.buffers import zeros_after
+from jtopoep.varying import varying_like
 
 # Rows per tile. Each step also copies its slot's [K, N] weights out of the stack (XLA:GPU does not
 # fuse the dynamic slice into the product), which costs a GPU about 250 / tile of the product's
@@ -82,7 +81,7 @@ def _rows_product(a, weights, group_sizes, first_row, contract_weight_axis: int)
         before = jax.lax.dynamic_slice_in_dim(out, first_row, items.tile)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(owned, product, before), first_row, 0)
 
-    out = _varying_like(zeros_after(a, (rows, width), a.dtype), a, weights)
+    out = varying_like(zeros_after(a, (rows, width), a.dtype), a, weights)
     return jax.lax.fori_loop(0, items.count, step, out)
 
 
@@ -102,8 +101,8 @@ def _weight_gradient(x, grad, group_sizes, first_row, weights_dtype):
         return running, gradient
 
     shape = (x.shape[1], grad.shape[1])
-    running = _varying_like(zeros_after(grad, shape, jnp.float32), x, grad)
-    gradient = _varying_like(zeros_after(grad, (groups, *shape), weights_dtype), x, grad)
+    running = varying_like(zeros_after(grad, shape, jnp.float32), x, grad)
+    gradient = varying_like(zeros_after(grad, (groups, *shape), weights_dtype), x, grad)
     return jax.lax.fori_loop(0, items.count, step, (running, gradient))[1]
 
 
@@ -127,21 +126,7 @@ def _backward(residuals, grad):
     grad = grad.astype(x.dtype)
     grad_x = _rows_product(grad, weights, group_sizes, first_row, contract_weight_axis=2)
     grad_w = _weight_gradient(x, grad, group_sizes, first_row, weights.dtype)
-    return _varying_like(grad_x, x), _varying_like(grad_w, weights), None, None
+    return varying_like(grad_x, x), varying_like(grad_w, weights), None, None
 
 
 tiled_grouped_matmul.defvjp(_forward, _backward)
-
-
-def _varying_like(value: jax.Array, *references: jax.Array) -> jax.Array:
-    # Inside shard_map a loop's carry and a cotangent must vary over the mesh axes its inputs vary
-    # over; zeros made here vary over none until marked.
-    wanted = functools.reduce(frozenset.union, (_varying_axes(r) for r in references), frozenset())
-    missing = tuple(sorted(wanted - _varying_axes(value)))
-    return jax.lax.pcast(value, missing, to="varying") if missing else value
-
-
-def _varying_axes(value: jax.Array) -> frozenset:
-    aval = jax.typeof(value)
-    mat = getattr(aval, "mat", None)  # the manual-axis type since JAX 0.10; `vma` before
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
