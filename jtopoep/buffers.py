@@ -2,10 +2,9 @@
 
 XLA merges equal broadcasts of one constant, and the copies its in-place users need (loop carries,
 collective outputs) end up in one multi-output fusion placed early in the schedule, so every such
-buffer of the program is live from there on: 22 zeroed [rows, d_model] buffers of one DeepSeek-V3
-layer's forward and backward, 10 GB, were live together at its peak (XLA:GPU compiling for H100s).
-A zero that passes an optimization barrier with the buffer's input is known only once that input
-is, and differs from every other call's, so its broadcast is neither merged nor hoisted.
+buffer of the program is live from there on, together, however late it is used. A zero that passes
+an optimization barrier with the buffer's input is known only once that input is, and differs from
+every other call's, so its broadcast is neither merged nor hoisted.
 """
 
 from __future__ import annotations

@@ -18,11 +18,12 @@ Stage-1 sizes are not in the plan (they count distinct (token, node) rows): one 
 
 Sums are in float32 in a fixed order (choice by choice), so the result is bitwise deterministic. The
 backward pass is JAX's transpose of the same gathers and exchanges, except the combine's sums, whose
-rows are each gathered once, so their gradients are gathers too (weighted_row_sum). Buffers: the relay's stage-1 and
-stage-2 buffers hold relay_rows rows each, the destination's recv_rows; `rank_route.cut_relays` cuts a
-route so a relay never forwards more pairs than relay_rows (a relay then never receives more stage-1
-rows). The
-stage-1 buffer needs no more than N x T rows either: a source sends a node each token at most once.
+rows are each gathered once, so their gradients are gathers too (weighted_row_sum).
+
+Buffers: the relay's stage-1 and stage-2 buffers hold relay_rows rows each, the destination's
+recv_rows; `rank_route.cut_relays` cuts a route so a relay never forwards more pairs than relay_rows
+(a relay then never receives more stage-1 rows). The stage-1 buffer needs no more than N x T rows
+either: a source sends a node each token at most once.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def relay_dispatch(x: Float[Array, "T D"], gates: Float[Array, "T k"], dest: Int
     back = regroup(regroup(out, my_route.T), from_relays.T)
     returned = _stage(back, to_gpus.T, out_rows=relay_rows, **stage2)
     position = inverse_permutation(full_order).reshape(arrived_rows, top_k)  # live pairs: < relay_rows
-    arrived_gates = jnp.where(live, arrived[:, -top_k:].astype(jnp.float32), 0)
+    arrived_gates = arrived[:, -top_k:].astype(jnp.float32)
     summed = weighted_row_sum(returned, jnp.minimum(position, relay_rows - 1), arrived_gates, live)
     home = _stage(summed.astype(dtype), across.T, out_rows=send_rows, **stage1)
 
