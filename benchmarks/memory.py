@@ -56,6 +56,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--factors", type=float, nargs="+", default=list(FACTORS))
     parser.add_argument("--gemms", nargs="+", choices=("xla", "tiled", "pallas"), default=None,
                         help="moe.gemm values to compile (default: xla, tiled and, on h100, pallas)")
+    parser.add_argument("--chunks", type=int, nargs="+", default=None,
+                        help="moe.guest_weight_chunks values to compile (default: the config's default; `none` "
+                             "fetches no guest weights and is compiled once)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args(argv)
     target = args.target or ("h100" if gpu_target.cuda_plugin_installed() else "cpu")
@@ -100,18 +103,19 @@ def main(argv=None) -> list[dict]:
             x = jax.ShapeDtypeStruct((ranks, TOKENS, model.d_model), dtype, sharding=jax.sharding.NamedSharding(
                 mesh, jax.sharding.PartitionSpec(("node", "gpu"))))
             for gemm in gemms:
-                chunks = MoEConfig.guest_weight_chunks
-                if gemm == "pallas":
-                    chunks = _hopper_chunks(model.expert_hidden, chunks)
+                every = [_hopper_chunks(model.expert_hidden, c) if gemm == "pallas" else c
+                         for c in args.chunks or [MoEConfig.guest_weight_chunks]]
+                every = list(dict.fromkeys(every))
                 for planner in args.planners:
-                    for factor in args.factors:
-                        moe = MoEConfig(planner=planner, transport=transport, recv_capacity_factor=factor, gemm=gemm,
-                                        guest_weight_chunks=chunks)
-                        row = _measure(model, experts, dtype, moe, topology, mesh, x)
-                        row.update(model=name, experts=experts, planner=planner, factor=factor, gemm=gemm,
-                                   chunks=chunks, target=target)
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+                    for chunks in every[:1] if planner == "none" else every:
+                        for factor in args.factors:
+                            moe = MoEConfig(planner=planner, transport=transport, recv_capacity_factor=factor,
+                                            gemm=gemm, guest_weight_chunks=chunks)
+                            row = _measure(model, experts, dtype, moe, topology, mesh, x)
+                            row.update(model=name, experts=experts, planner=planner, factor=factor, gemm=gemm,
+                                       chunks=chunks, target=target)
+                            rows.append(row)
+                            print(json.dumps(row), flush=True)
     for row in rows:
         base = [r for r in rows if r["model"] == row["model"] and r["factor"] == row["factor"]
                 and r["gemm"] == row["gemm"] and r["planner"] == "none"]

@@ -175,8 +175,10 @@ def _fetch_keeping_fwd(move, weights, held_weights, guests, held, placement, me)
 
 def _fetch_keeping_bwd(move, residuals, cotangent):
     weights, guests, placement, me = residuals
-    # The gradient of a full fetch: every guest slot's gradient goes home, kept or not.
-    (grads,) = jax.linear_transpose(lambda w: _fetch(w, guests, placement, me, guests < 0, move), weights)(cotangent)
+    # The gradient of a full fetch: every guest slot's gradient goes home, kept or not. (A vjp, not a
+    # linear transpose, which cannot pass the exchanges' custom VJP; XLA drops the unused forward.)
+    _, full_fetch_vjp = jax.vjp(lambda w: _fetch(w, guests, placement, me, guests < 0, move), weights)
+    (grads,) = full_fetch_vjp(cotangent)
     return grads, None, None, None, None, None
 
 

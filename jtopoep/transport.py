@@ -13,9 +13,14 @@ Back ends (one signature):
 sizes[s, d] (rows from source rank s to destination rank d), which every rank knows because it is
 derived from the all-gathered plan. `_stage` is the same exchange among the peers of one mesh axis,
 which the deduplicated two-stage token dispatch (jtopoep.relay) is built from.
+
+Every exchange's backward pass is the reverse exchange (_into_zeros), its zeroed receive buffer made
+where it is used.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -67,8 +72,8 @@ def ragged_all_to_all_dense(operand: Shaped[Array, "rows *feat"], output: Shaped
     landing = jax.lax.all_to_all(output_offsets.reshape(peers, 1), axis_name, 0, 0, tiled=False)[:, 0]
     position = landing[:, None] + rows[None, :]
     # Padding rows go past the end, where the scatter drops them, each to its own index: a row lands
-    # at most once, so the scatter's indices are unique and its transpose is a plain gather (which
-    # jax.linear_transpose needs, jtopoep.guests). Senders' rows land below (P + 1) * C.
+    # at most once, so the scatter's indices are unique (XLA need not serialise it). Senders' rows land
+    # below (P + 1) * C.
     past_end = max(output.shape[0], (peers + 1) * capacity) + jnp.arange(peers * capacity).reshape(peers, capacity)
     position = jnp.where(rows[None, :] < recv_sizes[:, None], position, past_end)
     return output.at[position.reshape(-1)].set(received.reshape((-1,) + operand.shape[1:]), mode="drop",
@@ -84,6 +89,42 @@ def _all_to_all(backend: str, operand, output, input_offsets, send_sizes, output
                                    axis_name=axis_name, capacity=capacity)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6, 7, 8))
+def _into_zeros(backend: str, operand, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows: int,
+                axis_name, capacity: int):
+    """_all_to_all into a zeroed [out_rows, ...] output made here, whose backward is the reverse
+    exchange into a zeroed operand-shaped buffer made there. JAX's own transpose zeroes that buffer
+    with a broadcast XLA merges with every other exchange's into one early fusion (so the backward
+    buffers of every exchange of the layer are live at once), and carries the cotangent of the
+    output operand, which is zeros here, through two more operand-sized buffers."""
+    output = zeros_after(operand, (out_rows,) + operand.shape[1:], operand.dtype)
+    return _all_to_all(backend, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name,
+                       capacity)
+
+
+def _into_zeros_forward(backend, operand, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows, axis_name,
+                        capacity):
+    out = _into_zeros(backend, operand, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows, axis_name,
+                      capacity)
+    shape = jnp.zeros((operand.shape[0], 0), operand.dtype)  # the operand's rows and type, no bytes
+    return out, (input_offsets, send_sizes, output_offsets, recv_sizes, shape)
+
+
+def _into_zeros_backward(backend, out_rows, axis_name, capacity, residuals, cotangent):
+    input_offsets, send_sizes, output_offsets, recv_sizes, shape = residuals
+    if not jnp.issubdtype(shape.dtype, jnp.inexact):  # integer rows carry no gradient
+        return None, None, None, None, None
+    # Each source's rows for this rank: where it took them (its input offset) and where they landed here.
+    taken_at = jax.lax.all_to_all(input_offsets.reshape(-1, 1), axis_name, 0, 0, tiled=False)[:, 0]
+    landed_at = jax.lax.all_to_all(output_offsets.reshape(-1, 1), axis_name, 0, 0, tiled=False)[:, 0]
+    grad = _into_zeros(backend, cotangent.astype(shape.dtype), landed_at, recv_sizes, taken_at, send_sizes,
+                       shape.shape[0], axis_name, capacity)
+    return grad, None, None, None, None
+
+
+_into_zeros.defvjp(_into_zeros_forward, _into_zeros_backward)
+
+
 def _stage(x, sizes: Int[Array, "P P"], me, axis_name, out_rows: int, backend: str, capacity: int):
     """One ragged exchange among the P peers of `axis_name` (me: this rank's index among them).
 
@@ -92,9 +133,7 @@ def _stage(x, sizes: Int[Array, "P P"], me, axis_name, out_rows: int, backend: s
     send = sizes[me]
     recv = sizes[:, me]
     output_offsets = exclusive_cumsum(sizes, axis=0)[me]  # where my rows land on each receiver
-    output = zeros_after(x, (out_rows,) + x.shape[1:], x.dtype)
-    return _all_to_all(backend, x, output, exclusive_cumsum(send), send, output_offsets, recv, axis_name,
-                       capacity)
+    return _into_zeros(backend, x, exclusive_cumsum(send), send, output_offsets, recv, out_rows, axis_name, capacity)
 
 
 def exchange_rows(x: Shaped[Array, "rows *feat"], send: Int[Array, " R"], recv: Int[Array, " R"], *, out_rows: int,
@@ -106,8 +145,7 @@ def exchange_rows(x: Shaped[Array, "rows *feat"], send: Int[Array, " R"], recv: 
     backend = resolve_backend(backend)
     capacity = x.shape[0] if capacity is None else capacity
     landing = jax.lax.all_to_all(exclusive_cumsum(recv).reshape(-1, 1), axes, 0, 0, tiled=False)[:, 0]
-    output = zeros_after(x, (out_rows,) + x.shape[1:], x.dtype)
-    return _all_to_all(backend, x, output, exclusive_cumsum(send), send, landing, recv, axes, capacity)
+    return _into_zeros(backend, x, exclusive_cumsum(send), send, landing, recv, out_rows, axes, capacity)
 
 
 def regroup(x: Shaped[Array, "rows *feat"], sizes: Int[Array, "P Q"]) -> Shaped[Array, "rows *feat"]:
