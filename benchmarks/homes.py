@@ -9,9 +9,11 @@ second window (benchmarks.data_path.token_batch); per layer and placement:
 - scale-out token rows per token with the deduplicated dispatch (jtopoep.relay) against flat pairs
   across nodes (the same under any placement when sources are alike: reported, not a target);
 - home-only imbalance (max / mean, before any copy) of rank loads and of node loads;
-- the plan of `none` (home experts only) and of topoep (K = 2, pricing on): imbalance after, guest
-  copies, and the cost model's layer time by term (jtopoep.costmodel.layer_time with the relays'
-  rows), H800 links, DeepSeek-V2-Lite experts;
+- the plan of `none` (home experts only), of eplb and of topoep (K = 2, pricing on): imbalance
+  after, guest copies, and the cost model's layer time by term (jtopoep.costmodel.layer_time with
+  the relays' rows), H800 links, DeepSeek-V2-Lite experts;
+- inter-node bytes, flat and deduplicated, against eplb's flat exchange on contiguous homes (token
+  rows out and back, guest weights out and gradients back: benchmarks.data_path's comparison);
 - the migration a re-placement costs (jtopoep.costmodel.migration_seconds: weights and AdamW moments,
   float32), once, and amortised over 100 steps;
 - consecutive re-placements (prompts in thirds): what the second moves, and how it does on the third.
@@ -29,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.data_path import EXPERTS, SLOTS, TOKENS, TOPOLOGIES, scaleout, token_batch
+from benchmarks.data_path import EXPERTS, SLOTS, TOKENS, TOPOLOGIES, inter_bytes, scaleout, token_batch
 from benchmarks.planners import DIMS, make
 from jtopoep import traces, xla_cpu
 from jtopoep.costmodel import layer_time, migration_seconds
@@ -39,7 +41,7 @@ from jtopoep.plan import contiguous_placement, home_rank_of_experts
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 PLACEMENTS = ("contiguous", "re-placed")
 AMORTISED_OVER = 100
-PLANNERS = ("none", "topoep")
+PLANNERS = ("none", "eplb", "topoep")
 
 
 _replace = jax.jit(replace_homes, static_argnums=3)
@@ -146,6 +148,18 @@ def summary(rows: list[dict]) -> list[dict]:
                                             / sum(p["pairs_per_token"] for p in parts))
             entry[name]["worst_layer_rows_vs_pairs"] = max(p["rows_vs_pairs"] for p in parts)
         out.append(entry)
+    # Inter-node bytes per layer against eplb's flat exchange on contiguous homes (benchmarks.data_path's
+    # comparison): token rows out and back, and guest weights out and gradients back.
+    for entry in out:
+        eplb = [e for e in out if (e["topology"], e["task"], e["planner"]) == (entry["topology"], entry["task"], "eplb")]
+        if not eplb:
+            continue
+        tokens = TOPOLOGIES[entry["topology"]].num_ranks * TOKENS
+        base = inter_bytes(eplb[0]["contiguous"]["pairs_per_token"] * tokens, eplb[0]["contiguous"]["copies_across_nodes"])
+        for name in PLACEMENTS:
+            p = entry[name]
+            p["flat_bytes_vs_eplb_flat"] = inter_bytes(p["pairs_per_token"] * tokens, p["copies_across_nodes"]) / base
+            p["dedup_bytes_vs_eplb_flat"] = inter_bytes(p["rows_per_token"] * tokens, p["copies_across_nodes"]) / base
     return out
 
 
@@ -154,18 +168,20 @@ def markdown(rows: list[dict], totals: list[dict], stable: list[dict], layers: r
     lines = ["# Re-placed home experts on real token-level routing", "",
              f"`python -m benchmarks.homes` (ESFT token traces of DeepSeek-V2-Lite, layers {list(layers)}: placement "
              f"learned on the first half of the prompts, measured on {seeds} draw(s) of {TOKENS} tokens per rank from "
-             f"the second; topoep, K = {SLOTS}, pricing on; DeepSeek-V2-Lite experts on H800 links).", "",
+             f"the second; K = {SLOTS}, pricing on; DeepSeek-V2-Lite experts on H800 links).", "",
              "## Per trace (means over layers; rows / pairs over all layers)", "",
              "| topology | trace | planner | homes | flat pairs / token | dedup rows / token | rows / pairs | worst layer | "
-             "rank home imb. | node home imb. | imb. after | copies | across nodes | weights ms | exchange ms | layer ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "rank home imb. | node home imb. | imb. after | copies | across nodes | flat bytes / eplb flat | "
+             "dedup bytes / eplb flat | weights ms | exchange ms | layer ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for t in totals:
         for name in PLACEMENTS:
             p = t[name]
             lines.append(f"| {t['topology']} | {t['task']} | {t['planner']} | {name} | {p['pairs_per_token']:.2f} | "
                          f"{p['rows_per_token']:.2f} | {p['rows_vs_pairs']:.3f} | {p['worst_layer_rows_vs_pairs']:.2f} | "
                          f"{p['rank_home_imbalance']:.2f} | {p['node_home_imbalance']:.2f} | {p['topoep_imbalance']:.2f} | "
-                         f"{p['topoep_copies']:.1f} | {p['copies_across_nodes']:.1f} | {p['weights_s'] * ms:.3f} | {p['exchange_s'] * ms:.3f} | "
+                         f"{p['topoep_copies']:.1f} | {p['copies_across_nodes']:.1f} | {p['flat_bytes_vs_eplb_flat']:.2f} | "
+                         f"{p['dedup_bytes_vs_eplb_flat']:.2f} | {p['weights_s'] * ms:.3f} | {p['exchange_s'] * ms:.3f} | "
                          f"{p['total_s'] * ms:.3f} |")
     lines += ["", "## Migration per re-placement (means over layers)", "",
               f"| topology | trace | experts moved | seconds, once | ms per step over {AMORTISED_OVER} steps |",
