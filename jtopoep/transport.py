@@ -148,9 +148,15 @@ def exchange_rows(x: Shaped[Array, "rows *feat"], send: Int[Array, " R"], recv: 
     return _into_zeros(backend, x, exclusive_cumsum(send), send, landing, recv, out_rows, axes, capacity)
 
 
+@jax.custom_vjp
 def regroup(x: Shaped[Array, "rows *feat"], sizes: Int[Array, "P Q"]) -> Shaped[Array, "rows *feat"]:
     """Reorder segments laid out in (p, q) order, segment (p, q) holding sizes[p, q] rows, into (q, p)
-    order. Rows past the segments come out as zeros. A gather: its transpose is the inverse regroup."""
+    order. Rows past the segments come out as zeros. A gather, whose transpose is the inverse regroup
+    (regroup by sizes.T), another gather: autodiff would scatter-add into a zeroed copy of the rows."""
+    return _regroup(x, sizes)
+
+
+def _regroup(x, sizes):
     num_rows = x.shape[0]
     in_start = exclusive_cumsum(sizes.reshape(-1)).reshape(sizes.shape)  # [P, Q]
     out_sizes = sizes.T.reshape(-1)  # segments in (q, p) order
@@ -163,6 +169,17 @@ def regroup(x: Shaped[Array, "rows *feat"], sizes: Int[Array, "P Q"]) -> Shaped[
     valid = i < out_end[-1]
     gathered = x[jnp.where(valid, source, 0)]
     return jnp.where(valid.reshape((-1,) + (1,) * (x.ndim - 1)), gathered, 0)
+
+
+def _regroup_forward(x, sizes):
+    return _regroup(x, sizes), sizes
+
+
+def _regroup_backward(sizes, cotangent):
+    return _regroup(cotangent, sizes.T), None
+
+
+regroup.defvjp(_regroup_forward, _regroup_backward)
 
 
 def exchange(x: Shaped[Array, "rows *feat"], sizes: Int[Array, "R R"], *, out_rows: int,

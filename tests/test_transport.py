@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jtopoep import transport
 from jtopoep.topology import Topology, make_mesh
 from jtopoep.transport import exchange, ragged_all_to_all_dense, regroup, resolve_backend
 
@@ -82,6 +83,46 @@ def test_exchange(devices, preset):
     fn = jax.jit(jax.shard_map(body, mesh=make_mesh(topo), in_specs=P(("node", "gpu")),
                                out_specs=P(("node", "gpu"))))
     np.testing.assert_array_equal(np.asarray(fn(x)), expected_exchange(x, sizes, R * rows))
+
+
+@pytest.mark.parametrize("preset", ["cpu-2x4", "cpu-1x8"])
+def test_exchange_gradient_is_the_reverse_exchange(devices, preset):
+    """The exchange's own backward (transport._into_zeros): each sent row's gradient is the cotangent
+    of the row it became at its destination; unsent rows, and output rows nothing landed in, carry none."""
+    topo = Topology.preset(preset)
+    rows = 9
+    rng = np.random.default_rng(5)
+    sizes = np.stack([rng.multinomial(rng.integers(0, rows + 1), np.ones(R) / R) for _ in range(R)]).astype(np.int32)
+    x = rng.normal(size=(R, rows, 3)).astype(np.float32)
+    weight = rng.normal(size=(R, R * rows, 3)).astype(np.float32)
+
+    def body(xl, wl):
+        out = exchange(xl[0], jnp.asarray(sizes), out_rows=R * rows, gpus_per_node=topo.gpus_per_node,
+                       backend="dense")
+        return (out * wl[0]).sum()[None]
+
+    spec = P(("node", "gpu"))
+    fn = jax.shard_map(body, mesh=make_mesh(topo), in_specs=(spec, spec), out_specs=spec)
+    grad = np.asarray(jax.jit(jax.grad(lambda x: fn(x, weight).sum()))(x))
+    want = np.zeros_like(x)
+    for s in range(R):
+        for d in range(R):
+            sent = sizes[s, :d].sum()  # where s's rows for d start, and where they land on d
+            landed = sizes[:s, d].sum()
+            want[s, sent:sent + sizes[s, d]] = weight[d, landed:landed + sizes[s, d]]
+    np.testing.assert_array_equal(grad, want)
+
+
+def test_regroup_gradient_is_the_inverse_regroup():
+    rng = np.random.default_rng(2)
+    sizes = jnp.asarray(rng.integers(0, 4, size=(3, 4)), jnp.int32)
+    x = jnp.asarray(rng.normal(size=(int(sizes.sum()) + 3, 2)), jnp.float32)
+    weight = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+    grad = jax.grad(lambda x: (regroup(x, sizes) * weight).sum())(x)
+    # Autodiff of the plain gather (a scatter-add into zeros) gives the same.
+    want = jax.grad(lambda x: (transport._regroup(x, sizes) * weight).sum())(x)
+    np.testing.assert_array_equal(np.asarray(grad), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(grad), np.asarray(regroup(weight, sizes.T)))
 
 
 def test_regroup_is_segment_transpose():
