@@ -8,7 +8,7 @@ Called inside shard_map over ("node", "gpu"), from jtopoep.dispatch.
               over the scale-out links at both ends, a home handing the ones past its node's share
               to peers over NVLink, a first holder leaving the ones past its share to peers that
               receive them; each relay passes its copy on to the holders of its node over NVLink
-              (plan.guest_fetch; three exchanges, transport.exchange)
+              (plan.guest_fetch; four exchanges, transport.exchange)
     backward: the transpose: each node's guest gradients are summed at its relay, which sends one
               sum back, through the peer that sent the copy where one did, to the home expert
 
@@ -90,27 +90,29 @@ def _deliver(rows, pick, src, me, move, num_guests: int, max_sends: int):
     return jnp.where((my_src >= 0)[:, None], received[jnp.clip(position, 0, num_guests - 1)], 0)
 
 
-def fetch_send_rows(num_ranks: int, home: int, num_guests: int, gpus_per_node: int) -> tuple[int, int, int]:
-    """The most rows one rank sends in each of the fetch's three exchanges (its send buffers, each
-    a [rows, slice of whole experts] array), from plan.guest_fetch's rules:
+def fetch_send_rows(num_ranks: int, home: int, num_guests: int, gpus_per_node: int) -> tuple[int, int, int, int]:
+    """The most rows one rank sends in each of the fetch's four exchanges (its send buffers, each a
+    [rows, slice of whole experts] array), from plan.guest_fetch's rules:
     1. a home hands crossings only to its G - 1 peers, at most K staging rows each, and never more
        than its experts' crossings, H (N - 1);
-    2. a rank sends to at most G K slots of its node, plus crossings: a home past its node's share
-       receives no hand-offs, and one within it sends at most the share, so at most H (N - 1);
-    3. a receiver passes copies to at most the G K slots of its node."""
+    2. a home sends to at most the G K slots of its node;
+    3. a rank sends at most H (N - 1) crossings: a home past its node's share receives no hand-offs,
+       and one within it sends at most the share;
+    4. a receiver passes copies to at most the G K slots of its node."""
     nodes, all_slots = num_ranks // gpus_per_node, num_ranks * num_guests
     crossings = home * (nodes - 1)
     return (min(all_slots, crossings, (gpus_per_node - 1) * num_guests),
-            min(all_slots, gpus_per_node * num_guests + crossings),
+            min(all_slots, gpus_per_node * num_guests),
+            min(all_slots, crossings),
             min(all_slots, gpus_per_node * num_guests))
 
 
 def _fetch(weights: ExpertWeights, guests, placement, me, skip, move) -> ExpertWeights:
     """[K, ...] weights of this rank's guest slots, fanned out from the experts' home ranks
-    (plan.guest_fetch), in three exchanges: each home hands the copies a peer sends across for it to
-    that peer (NVLink); then homes and those peers send to the holders on their own node and to one
-    receiver on every other node holding the expert (its first holder, or a peer receiving for it);
-    then each receiver passes its copy on to the other holders of its node (NVLink). Slots that are
+    (plan.guest_fetch), in four exchanges: each home hands the copies a peer sends across for it to
+    that peer (NVLink); then homes send to the holders on their own node; then homes and those peers
+    send to one receiver on every other node holding the expert (its first holder, or a peer
+    receiving for it); then each receiver passes its copy on to the other holders of its node (NVLink). Slots that are
     empty or `skip`ped [R, K] get zeros and nothing is sent for them. Linear in `weights`, so its
     transpose returns the gradients up the same tree."""
     gpus_per_node = move[0]
@@ -121,7 +123,7 @@ def _fetch(weights: ExpertWeights, guests, placement, me, skip, move) -> ExpertW
     sent = (guests >= 0) & ~skip
     src, staged, received, received_from = guest_fetch(guests, placement, gpus_per_node, sent)
     rows = jnp.concatenate([w.reshape(home, -1) for w in weights], axis=1)  # [H, 3*D*F]
-    hands, sends, relays = fetch_send_rows(num_ranks, home, num_guests, gpus_per_node)
+    hands, local, crossing, relays = fetch_send_rows(num_ranks, home, num_guests, gpus_per_node)
     # Stage 1, over NVLink: the staging rows [K] of the peers that send copies across for a home.
     staged_rows = _deliver(rows, home_slot[jnp.maximum(staged, 0)], jnp.where(staged >= 0, home_rank[staged], -1),
                            me, move, num_guests, hands) if hands else jnp.zeros((num_guests, rows.shape[1]), rows.dtype)
@@ -136,7 +138,17 @@ def _fetch(weights: ExpertWeights, guests, placement, me, skip, move) -> ExpertW
     target_home = home_rank[jnp.maximum(targets, 0)]
     pick = jnp.where(sources == target_home, home_slot[jnp.maximum(targets, 0)],
                      home + first_argmax(staged[sources.clip(0)] == targets[:, :, None], axis=2))
-    got = _deliver(jnp.concatenate([rows, staged_rows]), pick, sources, me, move, 2 * num_guests, sends)
+    # In two exchanges, one after the other, so that their send buffers are not live together: homes
+    # to the slots of their own node, then the crossings.
+    payload = jnp.concatenate([rows, staged_rows])
+    across = sources // gpus_per_node != jnp.arange(num_ranks)[:, None] // gpus_per_node
+    got = _deliver(payload, pick, jnp.where(across, -1, sources), me, move, 2 * num_guests, local)
+    if crossing:
+        if jax.default_backend() != "cpu":  # as for the slices (fetch_guest_weights)
+            payload, got = jax.lax.optimization_barrier((payload, got))
+        got_across = _deliver(payload, pick, jnp.where(across, sources, -1), me, move, 2 * num_guests, crossing)
+        my_across = jax.lax.dynamic_index_in_dim(across & (sources >= 0), me, 0, keepdims=False)  # [2K]
+        got = jnp.where(my_across[:, None], got_across, got)
     # Stage 3, over NVLink: a relay sends the row holding the expert: its receiving row where it
     # received the crossing there, else its own guest slot.
     relayed = sent & ~first_hop
