@@ -18,7 +18,9 @@ Constants and their sources:
   and behind the guest GEMMs of the slices already there (exposed_weight_seconds).
 - Links: the scale-up and scale-out fabrics are separate hardware and DeepEP drives them concurrently,
   so a rank's exchange time is the slower of its NVLink and RDMA transfers, sending and receiving in
-  full duplex; each exchange pays the latency of the slowest link class it uses.
+  full duplex; each exchange pays the latency of the slowest link class it uses. The guest fetch's
+  exchanges run one after another (jtopoep.guests: hand-offs, a home's own node, crossings, relays),
+  which this prices as one exchange: optimistic where a rank moves much over both link classes.
 - Compute runs at topology.flops x topology.mfu.
 """
 

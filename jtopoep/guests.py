@@ -181,7 +181,7 @@ def _fetch_keeping_fwd(move, weights, held_weights, guests, held, placement, me)
     out = ExpertWeights(*(jnp.where(my_kept.reshape((-1,) + (1,) * (f.ndim - 1)), h[where], f)
                           for f, h in zip(fetched, held_weights)))
     # The weights are a residual only for their type (shape, dtype, and the mesh axes they vary
-    # over), which the transpose needs; they are live anyway, so keeping them costs no memory.
+    # over), which the backward's vjp needs; they are live anyway, so keeping them costs no memory.
     return out, (weights, guests, placement, me)
 
 

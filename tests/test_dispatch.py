@@ -408,7 +408,7 @@ def test_layer_refuses_slices_that_do_not_divide_the_hidden_width(devices):
 
 def test_relay_dispatch_lowers_to_ragged_all_to_alls(devices):
     """With the ragged transport nothing is padded: the two stages and their reverses (stage 1 moves
-    rows and their local slots), and the guest fetch's three exchanges, are all ragged all-to-alls."""
+    rows and their local slots), and the guest fetch's four exchanges, are all ragged all-to-alls."""
     topo = Topology.preset("cpu-2x4")
     planner = get_planner("topoep", topology=topo, num_experts=E, guest_slots=2)
 
@@ -419,7 +419,7 @@ def test_relay_dispatch_lowers_to_ragged_all_to_alls(devices):
     x, ids, gates, w = make_inputs()
     fn = jax.jit(jax.shard_map(body, mesh=make_mesh(topo), in_specs=(SPEC,) * 6, out_specs=SPEC))
     text = fn.lower(x, ids, gates, *w).as_text()
-    assert text.count("ragged_all_to_all") == 5 + 3
+    assert text.count("ragged_all_to_all") == 5 + 4
     assert "stablehlo.all_to_all" not in text
 
 
