@@ -89,37 +89,36 @@ def _all_to_all(backend: str, operand, output, input_offsets, send_sizes, output
                                    axis_name=axis_name, capacity=capacity)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6, 7, 8))
-def _into_zeros(backend: str, operand, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows: int,
-                axis_name, capacity: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 8, 9, 10))
+def _into_zeros(backend: str, operand, input_offsets, send_sizes, output_offsets, recv_sizes, back_input_offsets,
+                back_output_offsets, out_rows: int, axis_name, capacity: int):
     """_all_to_all into a zeroed [out_rows, ...] output made here, whose backward is the reverse
     exchange into a zeroed operand-shaped buffer made there. JAX's own transpose zeroes that buffer
     with a broadcast XLA merges with every other exchange's into one early fusion (so the backward
-    buffers of every exchange of the layer are live at once), and carries the cotangent of the
-    output operand, which is zeros here, through two more operand-sized buffers."""
+    buffers of every exchange of the layer are live at once), carries the cotangent of the output
+    operand, which is zeros here, through two more operand-sized buffers, and all-to-alls the offsets
+    that the callers here know already. back_input_offsets [P]: where the rows from each peer landed
+    in this rank's output; back_output_offsets [P]: where each peer took the rows it sent this rank."""
     output = zeros_after(operand, (out_rows,) + operand.shape[1:], operand.dtype)
     return _all_to_all(backend, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name,
                        capacity)
 
 
-def _into_zeros_forward(backend, operand, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows, axis_name,
-                        capacity):
-    out = _into_zeros(backend, operand, input_offsets, send_sizes, output_offsets, recv_sizes, out_rows, axis_name,
-                      capacity)
+def _into_zeros_forward(backend, operand, input_offsets, send_sizes, output_offsets, recv_sizes, back_input_offsets,
+                        back_output_offsets, out_rows, axis_name, capacity):
+    out = _into_zeros(backend, operand, input_offsets, send_sizes, output_offsets, recv_sizes, back_input_offsets,
+                      back_output_offsets, out_rows, axis_name, capacity)
     shape = jnp.zeros((operand.shape[0], 0), operand.dtype)  # the operand's rows and type, no bytes
-    return out, (input_offsets, send_sizes, output_offsets, recv_sizes, shape)
+    return out, (input_offsets, send_sizes, output_offsets, recv_sizes, back_input_offsets, back_output_offsets, shape)
 
 
 def _into_zeros_backward(backend, out_rows, axis_name, capacity, residuals, cotangent):
-    input_offsets, send_sizes, output_offsets, recv_sizes, shape = residuals
+    input_offsets, send_sizes, output_offsets, recv_sizes, back_input_offsets, back_output_offsets, shape = residuals
     if not jnp.issubdtype(shape.dtype, jnp.inexact):  # integer rows carry no gradient
-        return None, None, None, None, None
-    # Each source's rows for this rank: where it took them (its input offset) and where they landed here.
-    taken_at = jax.lax.all_to_all(input_offsets.reshape(-1, 1), axis_name, 0, 0, tiled=False)[:, 0]
-    landed_at = jax.lax.all_to_all(output_offsets.reshape(-1, 1), axis_name, 0, 0, tiled=False)[:, 0]
-    grad = _into_zeros(backend, cotangent.astype(shape.dtype), landed_at, recv_sizes, taken_at, send_sizes,
-                       shape.shape[0], axis_name, capacity)
-    return grad, None, None, None, None
+        return (None,) * 7
+    grad = _into_zeros(backend, cotangent.astype(shape.dtype), back_input_offsets, recv_sizes, back_output_offsets,
+                       send_sizes, input_offsets, output_offsets, shape.shape[0], axis_name, capacity)
+    return (grad,) + (None,) * 6
 
 
 _into_zeros.defvjp(_into_zeros_forward, _into_zeros_backward)
@@ -132,8 +131,10 @@ def _stage(x, sizes: Int[Array, "P P"], me, axis_name, out_rows: int, backend: s
     in peer order, then zeros."""
     send = sizes[me]
     recv = sizes[:, me]
-    output_offsets = exclusive_cumsum(sizes, axis=0)[me]  # where my rows land on each receiver
-    return _into_zeros(backend, x, exclusive_cumsum(send), send, output_offsets, recv, out_rows, axis_name, capacity)
+    landing = exclusive_cumsum(sizes, axis=0)  # [s, d]: where s's rows land on d
+    taking = exclusive_cumsum(sizes, axis=1)  # [s, d]: where s takes its rows for d
+    return _into_zeros(backend, x, taking[me], send, landing[me], recv, landing[:, me], taking[:, me], out_rows,
+                       axis_name, capacity)
 
 
 def exchange_rows(x: Shaped[Array, "rows *feat"], send: Int[Array, " R"], recv: Int[Array, " R"], *, out_rows: int,
@@ -141,11 +142,14 @@ def exchange_rows(x: Shaped[Array, "rows *feat"], send: Int[Array, " R"], recv: 
                   axes: tuple[str, str] = ("node", "gpu")) -> Shaped[Array, "out *feat"]:
     """`exchange` from this rank's own sizes only: send[d] rows to each destination d, recv[s] rows
     from each source s (so no rank needs the [R, R] whole). Where its rows land on each destination
-    comes from that destination, by one all-to-all of R offsets."""
+    comes from that destination, by one all-to-all of R offsets; where each source took the rows it
+    sends here (for the backward pass) from that source, by another."""
     backend = resolve_backend(backend)
     capacity = x.shape[0] if capacity is None else capacity
     landing = jax.lax.all_to_all(exclusive_cumsum(recv).reshape(-1, 1), axes, 0, 0, tiled=False)[:, 0]
-    return _into_zeros(backend, x, exclusive_cumsum(send), send, landing, recv, out_rows, axes, capacity)
+    taken_at = jax.lax.all_to_all(exclusive_cumsum(send).reshape(-1, 1), axes, 0, 0, tiled=False)[:, 0]
+    return _into_zeros(backend, x, exclusive_cumsum(send), send, landing, recv, exclusive_cumsum(recv), taken_at,
+                       out_rows, axes, capacity)
 
 
 @jax.custom_vjp
