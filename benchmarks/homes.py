@@ -150,12 +150,13 @@ def summary(rows: list[dict]) -> list[dict]:
         out.append(entry)
     # Inter-node bytes per layer against eplb's flat exchange on contiguous homes (benchmarks.data_path's
     # comparison): token rows out and back, and guest weights out and gradients back.
+    eplb = {(e["topology"], e["task"]): e["contiguous"] for e in out if e["planner"] == "eplb"}
     for entry in out:
-        eplb = [e for e in out if (e["topology"], e["task"], e["planner"]) == (entry["topology"], entry["task"], "eplb")]
-        if not eplb:
+        if (entry["topology"], entry["task"]) not in eplb:
             continue
         tokens = TOPOLOGIES[entry["topology"]].num_ranks * TOKENS
-        base = inter_bytes(eplb[0]["contiguous"]["pairs_per_token"] * tokens, eplb[0]["contiguous"]["copies_across_nodes"])
+        flat = eplb[entry["topology"], entry["task"]]
+        base = inter_bytes(flat["pairs_per_token"] * tokens, flat["copies_across_nodes"])
         for name in PLACEMENTS:
             p = entry[name]
             p["flat_bytes_vs_eplb_flat"] = inter_bytes(p["pairs_per_token"] * tokens, p["copies_across_nodes"]) / base

@@ -90,6 +90,16 @@ def _deliver(rows, pick, src, me, move, num_guests: int, max_sends: int):
     return jnp.where((my_src >= 0)[:, None], received[jnp.clip(position, 0, num_guests - 1)], 0)
 
 
+def _after(x, previous):
+    """(x, previous) through one optimization barrier: x is known only once `previous` is, so that an
+    exchange of x starts after the one that made `previous` and XLA can reuse its buffers. Not on
+    XLA:CPU, whose compiler crashed intermittently on the barrier inside the trainer's micro-batch
+    loop, and whose dense emulation's memory it does not change."""
+    if jax.default_backend() == "cpu":
+        return x, previous
+    return jax.lax.optimization_barrier((x, previous))
+
+
 def fetch_send_rows(num_ranks: int, home: int, num_guests: int, gpus_per_node: int) -> tuple[int, int, int, int]:
     """The most rows one rank sends in each of the fetch's four exchanges (its send buffers, each a
     [rows, slice of whole experts] array), from plan.guest_fetch's rules:
@@ -144,8 +154,7 @@ def _fetch(weights: ExpertWeights, guests, placement, me, skip, move) -> ExpertW
     across = sources // gpus_per_node != jnp.arange(num_ranks)[:, None] // gpus_per_node
     got = _deliver(payload, pick, jnp.where(across, -1, sources), me, move, 2 * num_guests, local)
     if crossing:
-        if jax.default_backend() != "cpu":  # as for the slices (fetch_guest_weights)
-            payload, got = jax.lax.optimization_barrier((payload, got))
+        payload, got = _after(payload, got)
         got_across = _deliver(payload, pick, jnp.where(across, sources, -1), me, move, 2 * num_guests, crossing)
         my_across = jax.lax.dynamic_index_in_dim(across & (sources >= 0), me, 0, keepdims=False)  # [2K]
         got = jnp.where(my_across[:, None], got_across, got)
@@ -228,12 +237,10 @@ def fetch_guest_weights(weights: ExpertWeights, guests: Int[Array, "R K"], place
     for c in range(chunks):
         with jax.named_scope(f"slice{c}"):
             part = hidden_slice(weights, c, chunks)
-            if out and jax.default_backend() != "cpu":
+            if out:
                 # Slices travel one after another (they share the links anyway), so XLA can reuse
                 # one slice's exchange buffers for the next: they are sized for the widest fan-out.
-                # Not on XLA:CPU, whose compiler crashed intermittently on the barrier inside the
-                # trainer's micro-batch loop, and whose dense emulation's memory it does not change.
-                part, _ = jax.lax.optimization_barrier((part, out[-1]))
+                part, _ = _after(part, out[-1])
             if previous is None:
                 out.append(_fetch(part, guests, placement, me, guests < 0, move))
             else:

@@ -146,10 +146,10 @@ def exchange_rows(x: Shaped[Array, "rows *feat"], send: Int[Array, " R"], recv: 
     sends here (for the backward pass) from that source, by another."""
     backend = resolve_backend(backend)
     capacity = x.shape[0] if capacity is None else capacity
-    landing = jax.lax.all_to_all(exclusive_cumsum(recv).reshape(-1, 1), axes, 0, 0, tiled=False)[:, 0]
-    taken_at = jax.lax.all_to_all(exclusive_cumsum(send).reshape(-1, 1), axes, 0, 0, tiled=False)[:, 0]
-    return _into_zeros(backend, x, exclusive_cumsum(send), send, landing, recv, exclusive_cumsum(recv), taken_at,
-                       out_rows, axes, capacity)
+    taking, landed = exclusive_cumsum(send), exclusive_cumsum(recv)  # here: rows for each peer, from each
+    landing = jax.lax.all_to_all(landed.reshape(-1, 1), axes, 0, 0, tiled=False)[:, 0]
+    taken_at = jax.lax.all_to_all(taking.reshape(-1, 1), axes, 0, 0, tiled=False)[:, 0]
+    return _into_zeros(backend, x, taking, send, landing, recv, landed, taken_at, out_rows, axes, capacity)
 
 
 @jax.custom_vjp
