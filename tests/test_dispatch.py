@@ -266,11 +266,13 @@ def layer_keeping(hierarchical, chunks):
 
 
 def test_layer_with_held_copies_and_guest_slices_matches_dense_loop(devices):
-    """A second micro-batch that keeps the first one's copies (weights in F slices, one hidden unit
-    each) gives the dense loop's values and gradients through the relays (the flat exchange with
-    kept copies: test_guests and test_train)."""
-    first, loss_and_grads = layer_keeping(True, F)
+    """A second micro-batch that keeps the first one's copies (weights in 2 slices of 3 hidden units)
+    gives the dense loop's values and gradients through the relays (the flat exchange with kept
+    copies: test_guests and test_train; slices of one unit each: test_expert_ffn_*). Each slice is
+    its own fetch of four exchanges, forward and backward: few slices keep the program small."""
+    first, loss_and_grads = layer_keeping(True, 2)
     x, ids, gates, w = make_inputs(seed=0)
+    w = ExpertWeights(w.gate[..., :6], w.up[..., :6], w.down[:, :6])
     held = first(x, ids, gates, *w)
     assert (np.asarray(held[0]) >= 0).any()
     x, ids, gates, _ = make_inputs(seed=5)
