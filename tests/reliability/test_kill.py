@@ -27,7 +27,7 @@ def run_file(tmp_path, name):
                   "num_experts": 16, "top_k": 2, "expert_hidden": 12, "dense_hidden": 24},
         # Kills across re-placements; eplb's step compiles in two thirds of topoep's time, and each of
         # the trainer's four starts traces it again (the compilation cache spares only XLA's part).
-        "moe": {"planner": "eplb", "replace_every": 3},
+        "moe": {"planner": "eplb", "replace_every": 3, "guest_weight_chunks": 1},
         "train": {"steps": 8, "batch_size": 16, "warmup_steps": 2, "learning_rate": 1e-2, "log_every": 1,
                   "eval_every": 4, "eval_batches": 1, "checkpoint_every": 2, "run_dir": str(tmp_path / name)},
         "data": {"source": "synthetic"},
