@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import pathlib
 
@@ -170,6 +171,12 @@ def non_moe_seconds(cfg: ModelConfig, topology: Topology) -> float:
     return 3 * per_token * TOKENS_PER_GPU / (topology.flops * topology.mfu)
 
 
+# One jitted function per planner (planners are frozen dataclasses, equal when their settings are):
+# projections at the same deployment, in one process, trace and compile each planner once.
+_jitted = functools.lru_cache(maxsize=None)(jax.jit)
+_replace_homes = jax.jit(replace_homes, static_argnums=3)
+
+
 def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, mats: np.ndarray,
             window: int, min_gain: float, keep_copies: bool = False,
             knobs: dict | None = None, replace_every: int = 400, tokens: np.ndarray | None = None) -> dict:
@@ -188,16 +195,16 @@ def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, m
     dep = Deployment(cfg, topology.num_ranks)
     dims = dep.dims
     placement = np.arange(dep.num_experts).reshape(topology.num_ranks, -1)
-    planners = {name: jax.jit(get_planner(name, topology=topology, num_experts=dep.num_experts,
-                                          guest_slots=0 if name == "none" else guest_slots, min_gain=min_gain,
-                                          dims=dims, **(knobs or {}).get(name, {})))
+    planners = {name: _jitted(get_planner(name, topology=topology, num_experts=dep.num_experts,
+                                         guest_slots=0 if name == "none" else guest_slots, min_gain=min_gain,
+                                         dims=dims, **(knobs or {}).get(name, {})))
                 for name in ("none", "eplb", "topoep", "taot")}
     terms = ("gemm_s", "exchange_s", "weights_s", "planning_s")
     totals = {p: dict.fromkeys(terms, 0.0) for p in PLANNERS}
     history = []
     held = {}  # (planner, layer) -> the guest experts of that layer's previous micro-batch
     homes = {}  # layer -> topoep_homes' placement
-    replace = jax.jit(replace_homes, static_argnums=3)
+    replace = _replace_homes
     zero_coact = jnp.zeros((dep.num_experts, dep.num_experts), jnp.float32)
     home = placement.shape[1]
     # Nothing held yet: all -1, which plans as held=None does, under the same compiled planner.
