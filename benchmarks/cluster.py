@@ -204,7 +204,6 @@ def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, m
     history = []
     held = {}  # (planner, layer) -> the guest experts of that layer's previous micro-batch
     homes = {}  # layer -> topoep_homes' placement
-    replace = _replace_homes
     zero_coact = jnp.zeros((dep.num_experts, dep.num_experts), jnp.float32)
     home = placement.shape[1]
     # Nothing held yet: all -1, which plans as held=None does, under the same compiled planner.
@@ -243,7 +242,7 @@ def project(model: str, topology: Topology, guest_slots: int, latency_s: dict, m
                 np.asarray(coactivation(jnp.asarray(tokens[i][layer].reshape(-1, tokens.shape[-1])), dep.num_experts))
                 for i in others), jnp.float32)
             old = homes.get(layer, placement)
-            homes[layer] = np.asarray(replace(jnp.asarray(np.mean(before, axis=0).sum(0), jnp.float32), coact,
+            homes[layer] = np.asarray(_replace_homes(jnp.asarray(np.mean(before, axis=0).sum(0), jnp.float32), coact,
                                               jnp.asarray(old, jnp.int32), topology))
             moving = migration_seconds(old, homes[layer], topology, dims, replace_every=replace_every)
             plan = jax.device_get(planners["topoep"](counts, homes[layer], held.get(("topoep_homes", layer),

@@ -142,13 +142,13 @@ def exchange_rows(x: Shaped[Array, "rows *feat"], send: Int[Array, " R"], recv: 
                   axes: tuple[str, str] = ("node", "gpu")) -> Shaped[Array, "out *feat"]:
     """`exchange` from this rank's own sizes only: send[d] rows to each destination d, recv[s] rows
     from each source s (so no rank needs the [R, R] whole). Where its rows land on each destination
-    comes from that destination, by one all-to-all of R offsets; where each source took the rows it
-    sends here (for the backward pass) from that source, by another."""
+    comes from that destination, and where each source took the rows it sends here (for the backward
+    pass) from that source: one all-to-all of R pairs of offsets."""
     backend = resolve_backend(backend)
     capacity = x.shape[0] if capacity is None else capacity
     taking, landed = exclusive_cumsum(send), exclusive_cumsum(recv)  # here: rows for each peer, from each
-    landing = jax.lax.all_to_all(landed.reshape(-1, 1), axes, 0, 0, tiled=False)[:, 0]
-    taken_at = jax.lax.all_to_all(taking.reshape(-1, 1), axes, 0, 0, tiled=False)[:, 0]
+    peers = jax.lax.all_to_all(jnp.stack([landed, taking], 1), axes, 0, 0, tiled=True)  # [R, 2], from each peer
+    landing, taken_at = peers[:, 0], peers[:, 1]
     return _into_zeros(backend, x, taking, send, landing, recv, landed, taken_at, out_rows, axes, capacity)
 
 

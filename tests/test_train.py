@@ -21,8 +21,8 @@ def tiny(tmp_path, name, planner="topoep", steps=4, moe=None, **train):
         "model": {"vocab_size": 64, "seq_len": 12, "d_model": 16, "num_layers": 2, "num_heads": 2,
                   "num_experts": 16, "top_k": 2, "expert_hidden": 12, "dense_hidden": 24, "moe_every": 1},
         # The guest weights in one slice (configs/tiny_cpu.yaml says why): each slice is a fetch of its
-        # own, and two made every trainer test's step a quarter slower to compile. Slices: test_dispatch,
-        # test_guests, and test_kept_guest_copies_change_no_loss_or_gradient through the trainer.
+        # own to compile. Slices: test_dispatch, test_guests, and through the trainer
+        # test_kept_guest_copies_change_no_loss_or_gradient.
         "moe": {"planner": planner, "guest_slots": 0 if planner == "none" else 2, "price_transfers": False,
                 "hierarchical": True, "recv_capacity_factor": 0, "guest_weight_chunks": 1, **(moe or {})},
         "train": {"steps": steps, "batch_size": 16, "warmup_steps": 1, "learning_rate": 1e-2, "log_every": 1,
@@ -255,8 +255,8 @@ def test_two_processes_train_like_one(devices, tmp_path):
 
     from jtopoep.config import config_to_dict
 
-    # eplb: its guest copies are fetched across the two processes too, and its step compiles in two
-    # thirds of topoep's time (three compiles here: each child's and this process's).
+    # eplb: its guest copies are fetched across the two processes too, and its step compiles faster
+    # than topoep's (three compiles here: each child's and this process's).
     config = tiny(tmp_path, "two", planner="eplb")
     (tmp_path / "two.yaml").write_text(yaml.safe_dump(config_to_dict(config)))
     port = free_port()
@@ -328,8 +328,8 @@ def test_scanned_and_rematerialised_layers_compute_what_the_unrolled_loop_does(d
     from models.moe_transformer import Block
     from train.loop import accumulated_grads, create_sharded_model
 
-    # eplb: its copies take the guest-slot path through the scan, and its step compiles in two thirds
-    # of topoep's time (which planner fills the slots is the planner tests' concern).
+    # eplb: its copies take the guest-slot path through the scan, and its step compiles faster than
+    # topoep's (which planner fills the slots is the planner tests' concern).
     config = tiny(tmp_path, "scan", planner="eplb")
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, num_layers=5, first_dense_layers=1,
                                                                      moe_every=2))

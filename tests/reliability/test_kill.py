@@ -25,8 +25,8 @@ def run_file(tmp_path, name):
         "topology": {"preset": "cpu-2x4"},
         "model": {"vocab_size": 64, "seq_len": 12, "d_model": 16, "num_layers": 2, "num_heads": 2,
                   "num_experts": 16, "top_k": 2, "expert_hidden": 12, "dense_hidden": 24},
-        # Kills across re-placements; eplb's step compiles in two thirds of topoep's time, and each of
-        # the trainer's four starts traces it again (the compilation cache spares only XLA's part).
+        # Kills across re-placements; eplb's step compiles faster than topoep's, and each of the
+        # trainer's four starts traces it again (the compilation cache spares only XLA's part).
         "moe": {"planner": "eplb", "replace_every": 3, "guest_weight_chunks": 1},
         "train": {"steps": 8, "batch_size": 16, "warmup_steps": 2, "learning_rate": 1e-2, "log_every": 1,
                   "eval_every": 4, "eval_batches": 1, "checkpoint_every": 2, "run_dir": str(tmp_path / name)},
