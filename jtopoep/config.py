@@ -242,7 +242,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # global gradient-norm clip; 0 turns it off
     seed: int = 0  # parameters and batches are pure functions of it
     log_every: int = 10  # append a row to metrics.jsonl every this many steps (and at evaluations and the last step)
-    eval_every: int = 50  # evaluate every this many steps, and at the last step
+    eval_every: int = 50  # evaluate every this many steps, and at the last step; 0: never
     eval_batches: int = 2  # held-out batches per evaluation
     checkpoint_every: int = 50  # save a checkpoint every this many steps, and at the last step
     keep_checkpoints: int = 2  # checkpoints kept on disk (the newest)
@@ -252,8 +252,8 @@ class TrainConfig:
 
     def __post_init__(self):
         _positive("train", self, "steps", "batch_size", "microbatches", "learning_rate", "log_every",
-                  "eval_every", "eval_batches", "checkpoint_every", "keep_checkpoints")
-        _non_negative("train", self, "warmup_steps", "weight_decay", "grad_clip", "seed")
+                  "eval_batches", "checkpoint_every", "keep_checkpoints")
+        _non_negative("train", self, "warmup_steps", "weight_decay", "grad_clip", "seed", "eval_every")
         _require(0 <= self.overflow_warn_fraction <= 1, "train.overflow_warn_fraction", self.overflow_warn_fraction,
                  "a value in [0, 1]")
 

@@ -64,6 +64,7 @@ def test_presets_and_overrides(tmp_path):
     ("train.batch_size=12", r"train\.batch_size = 12 is not allowed: expected a multiple of the 8 devices"),
     ("train.learning_rate=true", r"train\.learning_rate = True has type bool: expected float"),
     ("train.microbatches=0", r"train\.microbatches = 0 is not allowed: expected a value > 0"),
+    ("train.eval_every=-1", r"train\.eval_every = -1 is not allowed: expected a value >= 0"),
     ("train.microbatches=3", r"train\.batch_size = 16 is not allowed: expected a multiple of train\.microbatches x "
                              r"devices = 3 x 8"),
     ("topology.mfu=2.0", r"topology\.mfu = 2\.0 is not allowed: expected a value in \(0, 1\]"),

@@ -23,10 +23,14 @@ def tiny(tmp_path, name, planner="topoep", steps=4, moe=None, **train):
         # The guest weights in one slice (configs/tiny_cpu.yaml says why): each slice is a fetch of its
         # own to compile. Slices: test_dispatch, test_guests, and through the trainer
         # test_kept_guest_copies_change_no_loss_or_gradient.
+        # DeepSeek-V3's router (sigmoid scores, a balancing bias) in every run: one default program that
+        # most tests share, compiled once for the run (tests/conftest.py's compilation cache).
         "moe": {"planner": planner, "guest_slots": 0 if planner == "none" else 2, "price_transfers": False,
-                "hierarchical": True, "recv_capacity_factor": 0, "guest_weight_chunks": 1, **(moe or {})},
+                "hierarchical": True, "recv_capacity_factor": 0, "guest_weight_chunks": 1, "score_fn": "sigmoid",
+                "bias_balancing": True, "bias_update_rate": 0.01, **(moe or {})},
+        # No evaluation (its step is a compile of its own) but where a test asks for it.
         "train": {"steps": steps, "batch_size": 16, "warmup_steps": 1, "learning_rate": 1e-2, "log_every": 1,
-                  "eval_every": 100, "eval_batches": 1, "checkpoint_every": 2,
+                  "eval_every": 0, "eval_batches": 1, "checkpoint_every": 2,
                   "run_dir": str(tmp_path / name), **train},
         "data": {"source": "synthetic"},
     }
@@ -43,7 +47,7 @@ def losses(run_dir):
 
 
 def test_train_runs_and_writes_outputs(devices, tmp_path):
-    config = tiny(tmp_path, "smoke", moe={"bias_balancing": True, "score_fn": "sigmoid", "bias_update_rate": 0.01})
+    config = tiny(tmp_path, "smoke", eval_every=3)
     last = Trainer(config).run()
     run_dir = tmp_path / "smoke"
     assert np.isfinite(last["loss"]) and last["step"] == 4
@@ -53,6 +57,8 @@ def test_train_runs_and_writes_outputs(devices, tmp_path):
     # every (token, expert) pair of every layer is recorded: batch * seq_len * top_k per step
     assert (trace.sum((2, 3)) == 16 * 12 * 2).all()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # evaluated every eval_every steps and at the last step
+    assert [r["step"] for r in rows if "eval_loss" in r] == [3, 4] and np.isfinite(last["eval_loss"])
     assert all(max(r["imbalance_after"]) <= max(r["imbalance_before"]) for r in rows)
     assert any(max(r["imbalance_after"]) < max(r["imbalance_before"]) for r in rows), "topoep never balanced"
 

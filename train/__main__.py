@@ -97,8 +97,8 @@ def train(args) -> int:
 
     last = Trainer(config, fresh=args.fresh, peer_timeout=args.peer_timeout, start_timeout=args.connect_timeout).run()
     if jax.process_index() == 0 and last:
-        print(f"done: step {last['step']} loss {last['loss']:.4f} eval {last.get('eval_loss', float('nan')):.4f} "
-              f"-> {config.train.run_dir}")
+        evaluated = f" eval {last['eval_loss']:.4f}" if "eval_loss" in last else ""
+        print(f"done: step {last['step']} loss {last['loss']:.4f}{evaluated} -> {config.train.run_dir}")
     return 0
 
 

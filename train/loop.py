@@ -377,7 +377,7 @@ class Trainer:
                "kept_copies": np.asarray(summary["kept_copies"]).sum(0).tolist()}
         if self.rehome_step is not None and done % self.config.moe.replace_every == 0 and done < t.steps:
             row.update(self._rehome())
-        if done % t.eval_every == 0 or done == t.steps:
+        if t.eval_every and (done % t.eval_every == 0 or done == t.steps):
             row["eval_loss"] = self.evaluate()
         return row
 

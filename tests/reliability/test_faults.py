@@ -24,9 +24,10 @@ def tiny(tmp_path, name, steps=4):
         "model": {"vocab_size": 64, "seq_len": 12, "d_model": 16, "num_layers": 2, "num_heads": 2,
                   "num_experts": 16, "top_k": 2, "expert_hidden": 12, "dense_hidden": 24},
         "moe": {"planner": "topoep", "guest_slots": 2, "price_transfers": False, "hierarchical": True,
-                "recv_capacity_factor": 0, "guest_weight_chunks": 1},
+                "recv_capacity_factor": 0, "guest_weight_chunks": 1, "score_fn": "sigmoid", "bias_balancing": True,
+                "bias_update_rate": 0.01},
         "train": {"steps": steps, "batch_size": 16, "warmup_steps": 1, "learning_rate": 1e-2, "log_every": 1,
-                  "eval_every": 100, "eval_batches": 1, "checkpoint_every": 2, "keep_checkpoints": 3,
+                  "eval_every": 0, "eval_batches": 1, "checkpoint_every": 2, "keep_checkpoints": 3,
                   "run_dir": str(tmp_path / name)},
         "data": {"source": "synthetic"},
     })
