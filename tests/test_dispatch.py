@@ -65,10 +65,12 @@ def layer(preset, planner_name, hierarchical, recv_rows=None, guest_slots=2, gem
     fn = jax.shard_map(body, mesh=make_mesh(topo), in_specs=(SPEC,) * 6, out_specs=(SPEC, SPEC))
 
     def loss(x, gates, w, ids):
-        y, _ = fn(x, ids, gates, *w)
-        return (jnp.sin(y) * y).sum()
+        y, stats = fn(x, ids, gates, *w)
+        return (jnp.sin(y) * y).sum(), (y, stats)
 
-    return jax.jit(fn), jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    # The forward alone, and ((loss, (y, stats)), gradients) in one program: a test that checks both
+    # compiles the layer once.
+    return jax.jit(fn), jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
 
 
 def dense_plan(preset, planner_name, quotas, counts):
@@ -100,8 +102,8 @@ def test_layer_matches_dense_loop(devices, monkeypatch, preset, planner_name, hi
     monkeypatch.setattr(gemm_tiled, "ROW_TILE", 16)
     monkeypatch.setattr(gemm_tiled, "WEIGHT_GRADIENT_TILE", 16)
     x, ids, gates, w = make_inputs()
-    forward, grads = layer(preset, planner_name, hierarchical, recv_rows, gemm=gemm)
-    y, (quotas, dropped, _) = forward(x, ids, gates, *w)
+    _, grads = layer(preset, planner_name, hierarchical, recv_rows, gemm=gemm)
+    (value, (y, (quotas, dropped, _))), grad = grads(x, gates, w, ids)
     assert (np.asarray(dropped) == 0).all()
     np.testing.assert_allclose(np.asarray(y), np.asarray(reference(x, ids, gates, w)), atol=ATOL, rtol=0)
     counts = np.zeros((R, E), np.int32)
@@ -114,7 +116,6 @@ def test_layer_matches_dense_loop(devices, monkeypatch, preset, planner_name, hi
     check_plan(plan, counts)
     if planner_name != "none":
         assert (plan.slot_expert[:, E // R:] >= 0).any(), "the load should make the planner use guest slots"
-    value, grad = grads(x, gates, w, ids)
     want_value, want = jax.value_and_grad(ref_loss, argnums=(0, 1, 2))(x, gates, w, ids)
     np.testing.assert_allclose(float(value), float(want_value), atol=ATOL * 10, rtol=1e-6)
     for got, exp in zip(jax.tree.leaves(grad), jax.tree.leaves(want)):
@@ -155,7 +156,7 @@ def test_each_rank_processes_its_plan_load(devices):
 
 def test_jitted_step_has_no_host_transfer(devices):
     x, ids, gates, w = make_inputs()
-    _, grads = layer("cpu-2x4", "topoep", True)
+    _, grads = layer("cpu-2x4", "taot", True, None, gemm="xla")  # a CASES program: compiled once for the run
     sharding = jax.sharding.NamedSharding(make_mesh(Topology.preset("cpu-2x4")), SPEC)
     args = jax.device_put((x, gates, w, ids), sharding)
     jax.block_until_ready(grads(*args))  # compile outside the guard
