@@ -474,7 +474,7 @@ def test_layer_with_scattered_homes_matches_dense_loop(devices):
         return (jnp.sin(y) * y).sum(), (y, slots)
 
     x, ids, gates, w = make_inputs()
-    (y, slots), grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(x, gates, w, ids)
+    grad, (y, slots) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(x, gates, w, ids)
     np.testing.assert_allclose(np.asarray(y), np.asarray(reference(x, ids, gates, w)), atol=ATOL, rtol=0)
     np.testing.assert_array_equal(np.asarray(slots)[0][:, :E // R], placement)
     assert (np.asarray(slots)[0][:, E // R:] >= 0).any()
