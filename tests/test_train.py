@@ -191,6 +191,7 @@ def test_dropped_pairs_are_logged_per_layer_and_warn_past_the_threshold(devices,
     rows = [json.loads(line) for line in (tmp_path / "drop" / "metrics.jsonl").read_text().splitlines()]
     assert [r["dropped_pairs"] for r in rows] == [[0, 0], [3, 0], [0, 7], [0, 0]]
     assert all(len(r["scaleout_rows"]) == 2 for r in rows)
+    assert not any("eval_loss" in r for r in rows)  # train.eval_every: 0, never evaluated
 
 
 def cross_entropies(run_dir):
