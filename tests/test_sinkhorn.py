@@ -10,8 +10,11 @@ from jtopoep.planners.sinkhorn import Sinkhorn, sinkhorn
 from jtopoep.topology import Topology
 
 
+@pytest.mark.parametrize("known_cost", [False, True], ids=["log-domain", "scaled"])
 @pytest.mark.parametrize("n,m,seed", [(17, 29, 0), (5, 3, 1), (32, 32, 2)])
-def test_matches_pot(n, m, seed):
+def test_matches_pot(n, m, seed, known_cost):
+    """A cost traced runs the log-domain iterations; a NumPy cost known when tracing, whose kernel
+    exp(-cost / eps) stays above SCALED_KERNEL_MIN (here >= exp(-10)), runs them on the scalings."""
     rng = np.random.default_rng(seed)
     a = rng.uniform(0.1, 1.0, n)
     b = rng.uniform(0.1, 1.0, m)
@@ -20,7 +23,10 @@ def test_matches_pot(n, m, seed):
     eps = 0.1
     want = ot.sinkhorn(a / a.sum(), b / b.sum(), cost, eps, method="sinkhorn_log", numItermax=5000,
                        stopThr=1e-12) * a.sum()
-    out = jax.jit(lambda a, b, c: sinkhorn(a, b, c, eps, 500))(a, b, cost)
+    if known_cost:
+        out = jax.jit(lambda a, b: sinkhorn(a, b, cost, eps, 500))(a, b)
+    else:
+        out = jax.jit(lambda a, b, c: sinkhorn(a, b, c, eps, 500))(a, b, cost)
     np.testing.assert_allclose(np.asarray(out.plan), want, atol=1e-5 * a.sum(), rtol=1e-3)
     assert float(out.marginal_error) < 1e-4
 
@@ -36,9 +42,27 @@ def test_marginal_error_falls_with_iterations():
     assert errors[0] > errors[1] > errors[2] and errors[2] < 1e-3
 
 
+def test_both_forms_give_the_same_iterates():
+    """TAOT's use: node link costs known when tracing, epsilon 1; after a few iterations (far from
+    converged) the scalings' plan is the log-domain one up to float32 rounding."""
+    cost = Topology.preset("h800-4x8").link_cost()[::8, ::8]
+    rng = np.random.default_rng(4)
+    for _ in range(5):
+        a = rng.integers(0, 500, 4).astype(np.float32) * (rng.uniform(size=4) < 0.7)
+        b = rng.integers(0, 500, 4).astype(np.float32)
+        b *= a.sum() / max(b.sum(), 1.0)
+        for iterations in (1, 3, 10):
+            scaled = jax.jit(lambda a, b: sinkhorn(a, b, cost, 1.0, iterations))(a, b)
+            logs = jax.jit(lambda a, b, c: sinkhorn(a, b, c, 1.0, iterations))(a, b, cost)
+            np.testing.assert_allclose(np.asarray(scaled.plan), np.asarray(logs.plan), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("form", ["log-domain", "scaled"])
 @pytest.mark.parametrize("case", ["one_supplier", "no_overload", "single_rank", "zero_columns"])
-def test_degenerate_inputs_stay_finite(case):
-    cost = jnp.asarray(Topology.preset("cpu-2x4").link_cost())
+def test_degenerate_inputs_stay_finite(case, form):
+    cost = Topology.preset("cpu-2x4").link_cost()  # NumPy: known when tracing
+    # epsilon 0.01 puts the kernel below SCALED_KERNEL_MIN (log domain), 1.0 above it (scalings).
+    epsilon = 0.01 if form == "log-domain" else 1.0
     a, b = np.zeros(8, np.float32), np.zeros(8, np.float32)
     if case == "one_supplier":
         a[3] = 70.0
@@ -47,8 +71,8 @@ def test_degenerate_inputs_stay_finite(case):
         a[[1, 2]] = [3.0, 1.0]
         b[7] = 4.0
     elif case == "single_rank":
-        a, b, cost = np.zeros(1, np.float32), np.zeros(1, np.float32), jnp.zeros((1, 1))
-    out = Sinkhorn(epsilon=0.01, iterations=30)(a, b, cost)
+        a, b, cost = np.zeros(1, np.float32), np.zeros(1, np.float32), np.zeros((1, 1))
+    out = Sinkhorn(epsilon=epsilon, iterations=30)(a, b, cost)
     plan = np.asarray(out.plan)
     assert np.isfinite(plan).all() and np.isfinite(float(out.marginal_error))
     assert (plan[a == 0] == 0).all() and (plan[:, b == 0] == 0).all()

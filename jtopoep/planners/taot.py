@@ -3,7 +3,8 @@
 1. the copy problem, the round that copies spilling experts onto the nodes their pairs come from
    (CopyingPlanner._where_pairs_come_from) and the within-node round, as topoep's: the link-cost
    plan below prices where the spill goes, not where each expert's pairs come from;
-2. log-domain Sinkhorn (fixed epsilon and iteration count) over the nodes: supply is each node's
+2. Sinkhorn (fixed epsilon and iteration count; on the scalings, the link costs being known when
+   tracing, jtopoep.planners.sinkhorn) over the nodes: supply is each node's
    spill left, demand its ranks' open room, cost the link cost between the nodes
    (topology.link_cost); the plan F[n, m] says how much of node n's spill node m should take;
 3. rounding: each node's spilling experts (largest first) are laid against its row of floor(F)
@@ -24,6 +25,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jtopoep.planners.base import CopyingPlanner
 from jtopoep.planners.problem import CopyProblem
@@ -58,7 +60,7 @@ class TaotPlanner(CopyingPlanner):
             home_node = problem.home_rank // gpus
             node_spill = jnp.zeros(nodes, jnp.int32).at[home_node].add(spill)
             node_room = room.reshape(nodes, gpus).sum(1)
-            cost = jnp.asarray(self.topology.link_cost()[::gpus, ::gpus])
+            cost = np.asarray(self.topology.link_cost()[::gpus, ::gpus])  # known when tracing
             flow = sinkhorn(node_spill.astype(jnp.float32), node_room.astype(jnp.float32), cost, self.epsilon,
                             self.iterations).plan
             flow = jnp.floor(flow).astype(jnp.int32)  # [N, N], row n: node n's spill to each node
