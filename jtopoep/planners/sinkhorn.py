@@ -5,7 +5,8 @@
 Scaling potentials f, g are updated in the log domain, so small epsilon neither underflows nor
 overflows; where the cost is known when tracing and exp(-cost / epsilon) is bounded well away from
 0 (TAOT's link costs at its epsilon), the same iterations run on the scalings exp(f / epsilon),
-exp(g / epsilon): two matrix-vector products an iteration instead of two log-sum-exps. Zero-mass rows and columns are masked out of every log-sum-exp (their potentials stay 0
+exp(g / epsilon): two matrix-vector products an iteration instead of two log-sum-exps. Zero-mass
+rows and columns are masked out of every log-sum-exp, or get zero scalings (their potentials stay 0
 and their rows/columns of P are exactly 0), so degenerate inputs never produce NaN or Inf. The trip
 count is static: every device runs the same float operations in the same order.
 """
@@ -83,10 +84,14 @@ def sinkhorn(a: Float[ArrayLike, " n"], b: Float[ArrayLike, " m"], cost: Float[A
     f, g = jax.lax.fori_loop(0, iterations, update, (jnp.zeros_like(a), jnp.zeros_like(b)))
     mask = a_mass[:, None] & b_mass[None, :]
     log_plan = jnp.where(mask, kernel + (f[:, None] + g[None, :]) / epsilon, -jnp.inf)
-    plan = jnp.exp(log_plan) * total
+    return _output(jnp.exp(log_plan) * total, a, b)
+
+
+def _output(plan, a, b) -> SinkhornOutput:
+    """The plan with its marginal error relative to the supply (0 for zero mass)."""
+    total = a.sum()
     error = jnp.abs(plan.sum(1) - a).sum() + jnp.abs(plan.sum(0) - b).sum()
-    error = jnp.where(total > 0, error / jnp.maximum(total, 1e-30), 0.0)
-    return SinkhornOutput(plan, error)
+    return SinkhornOutput(plan, jnp.where(total > 0, error / jnp.maximum(total, 1e-30), 0.0))
 
 
 def _scaled_sinkhorn(a, b, kernel: np.ndarray, iterations: int) -> SinkhornOutput:
@@ -112,7 +117,4 @@ def _scaled_sinkhorn(a, b, kernel: np.ndarray, iterations: int) -> SinkhornOutpu
         return u, scale(b_share, b_mass, (kernel * u[:, None]).sum(0))
 
     u, v = jax.lax.fori_loop(0, iterations, update, (jnp.zeros_like(a), b_mass.astype(jnp.float32)))
-    plan = u[:, None] * kernel * v[None, :] * total
-    error = jnp.abs(plan.sum(1) - a).sum() + jnp.abs(plan.sum(0) - b).sum()
-    error = jnp.where(total > 0, error / jnp.maximum(total, 1e-30), 0.0)
-    return SinkhornOutput(plan, error)
+    return _output(u[:, None] * kernel * v[None, :] * total, a, b)

@@ -4,9 +4,9 @@
    (CopyingPlanner._where_pairs_come_from) and the within-node round, as topoep's: the link-cost
    plan below prices where the spill goes, not where each expert's pairs come from;
 2. Sinkhorn (fixed epsilon and iteration count; on the scalings, the link costs being known when
-   tracing, jtopoep.planners.sinkhorn) over the nodes: supply is each node's
-   spill left, demand its ranks' open room, cost the link cost between the nodes
-   (topology.link_cost); the plan F[n, m] says how much of node n's spill node m should take;
+   tracing, jtopoep.planners.sinkhorn) over the nodes: supply is each node's spill left, demand
+   its ranks' open room, cost the link cost between the nodes (topology.link_cost); the plan
+   F[n, m] says how much of node n's spill node m should take;
 3. rounding: each node's spilling experts (largest first) are laid against its row of floor(F)
    (largest first), so every flow is cut into pieces of whole experts (rounds.match), and each
    node's pieces against its ranks' room, one piece a rank (rounds.pair_off); then topoep's
