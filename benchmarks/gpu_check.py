@@ -292,7 +292,7 @@ def guest_overlap(out: dict, backend: str = "ragged", gemm: str = "auto") -> Non
     """Where the compiled forward layer (topoep, K = 2, moe.gemm `gemm`) schedules the guest-weight
     transfer against the home-slot GEMMs: the entry computation's instructions in schedule order,
     those named under the "guest_weights" scope that start or finish an asynchronous operation, and
-    those of the "home_ffn" scope that are GEMMs (a dot, or the loop of the tiled GEMM). The transfer
+    those of the "home_ffn" scope that are GEMMs (a dot, or the tiled SwiGLU's loop). The transfer
     hides behind the home GEMMs when they all lie between its start and its done."""
     import re
 
@@ -308,7 +308,7 @@ def guest_overlap(out: dict, backend: str = "ragged", gemm: str = "auto") -> Non
     starts, dones, gemms = [], [], []
     slice_starts, slice_dones, slice_gemms = {}, {}, {}  # slice -> schedule positions
 
-    def is_gemm(op_name: str, line: str) -> bool:  # a dot, fused or a library call, or a tiled GEMM's loop
+    def is_gemm(op_name: str, line: str) -> bool:  # a dot, fused or a library call, or a tiled SwiGLU's loop
         return op_name.endswith("dot_general") or bool(
             re.search(r"(home_ffn|slice\d+)/while$", op_name) and _opcode(line) == "while")
 

@@ -56,6 +56,7 @@ from jtopoep.planners.none import NonePlanner
 from jtopoep.planners.routing import SlotQuotas
 from jtopoep.rank_route import rank_route
 from jtopoep.relay import relay_dispatch, relay_worst_rows
+from jtopoep.swiglu_tiled import tiled_swiglu
 from jtopoep.transport import exchange_rows, exclusive_cumsum, regroup
 
 
@@ -134,9 +135,10 @@ def expert_ffn(x: Float[Array, "rows D"], home_weights: ExpertWeights,
     then does not wait for the guest weights, so XLA can run the guest-weight transfer during it (the
     overlap the cost model prices), and in the backward pass the guest gradients can leave before the
     home weight gradients are done. Likewise each guest slice is its own grouped GEMM, and their
-    outputs add up (SwiGLU sums over hidden units): slice c waits only for its own transfer. The guest
-    rows are rotated to the front of the buffer and back (a permutation, so its transpose adds nothing
-    twice), unless the GEMM starts its groups where the guest rows start (jtopoep.gemm.takes_first_row).
+    outputs add up (SwiGLU sums over hidden units): slice c waits only for its own transfer. With
+    moe.gemm=tiled all of it is one pass of tiled loops into one output buffer
+    (jtopoep.swiglu_tiled); otherwise the guest rows are rotated to the front of the buffer and back
+    (a permutation, so its transpose adds nothing twice).
 
     single_pass (default: whether the GEMM's cost follows the buffer's rows, jtopoep.gemm): one GEMM
     per hidden slice over every slot, home and guest weights side by side, so the buffer is swept
@@ -153,6 +155,8 @@ def expert_ffn(x: Float[Array, "rows D"], home_weights: ExpertWeights,
                 y = _swiglu_slots(x, joined, group_sizes, gemm)
             out = y if out is None else out + y
         return out
+    if takes_first_row(gemm):  # the tiled loops: one pass over home and guest slots, one output buffer
+        return tiled_swiglu(x, home_weights, tuple(guest_slices or ()), group_sizes)
     rows = x.shape[0]
     home = home_weights.gate.shape[0]
     row = jnp.arange(rows)[:, None]
@@ -161,12 +165,6 @@ def expert_ffn(x: Float[Array, "rows D"], home_weights: ExpertWeights,
         out = _swiglu_slots(x, home_weights, group_sizes[:home], gemm)
         out = jnp.where(row < home_rows, out, 0)
     if guest_slices is None:
-        return out
-    if takes_first_row(gemm):
-        with jax.named_scope("guest_ffn"):
-            for c, part in enumerate(guest_slices):
-                with jax.named_scope(f"slice{c}"):
-                    out = out + _swiglu_slots(x, part, group_sizes[home:], gemm, home_rows)
         return out
     with jax.named_scope("guest_ffn"):
         rotated = jnp.roll(x, -home_rows, axis=0)
