@@ -19,6 +19,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
+from jaxtyping import Int
 
 from jtopoep.costmodel import copy_break_even_pairs
 from jtopoep.ordering import first_argmax, first_argmin
@@ -37,7 +39,7 @@ def repeat(body, times: int, carry, xp):
     return jax.lax.fori_loop(0, times, body, carry)
 
 
-def even_quotas(slot_expert, loads, xp=jnp):
+def even_quotas(slot_expert: Int[ArrayLike, "R S"], loads: Int[ArrayLike, " E"], xp=jnp) -> Int[ArrayLike, "R S"]:
     """[R, S] split each expert's load evenly over its copies; the first copies in (d, j) order take
     one pair more when the load does not divide."""
     num_ranks, num_slots = slot_expert.shape
@@ -51,7 +53,8 @@ def even_quotas(slot_expert, loads, xp=jnp):
     return xp.where(flat >= 0, quota, 0).reshape(num_ranks, num_slots).astype(xp.int32)
 
 
-def eplb_slots(counts, placement, guest_slots: int, min_pairs: float, xp):
+def eplb_slots(counts: Int[ArrayLike, "R E"], placement: Int[ArrayLike, "R H"], guest_slots: int, min_pairs: float,
+               xp) -> tuple[Int[ArrayLike, "R S"], Int[ArrayLike, "R S"]]:
     """Slots [R, S] and even-split quotas [R, S] of the EPLB policy, written once for numpy and
     jax.numpy (xp) so the host and device planners agree bit for bit. A replica is only made while
     each copy would still get at least one pair and at least min_pairs."""
@@ -104,7 +107,8 @@ class EplbPlanner(PlannerBase):
         return SlotQuotas(*eplb_slots(counts, placement, self.guest_slots, self.least_pairs, jnp))
 
 
-def eplb_host(planner: EplbPlanner, counts, placement=None) -> Plan:
+def eplb_host(planner: EplbPlanner, counts: Int[ArrayLike, "R E"], placement: Int[ArrayLike, "R H"] | None = None
+              ) -> Plan:
     """The eplb planner in NumPy on the host: copies counts off the device, plans, copies the plan back."""
     counts = np.asarray(jax.device_get(counts)).astype(np.int32)
     if placement is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, Int
 
 from jtopoep.costmodel import EXCHANGES_PER_LAYER, ExpertDims, copy_break_even_pairs
@@ -19,7 +20,9 @@ from jtopoep.planners.arrays import (ceil_div, earlier_in_segment, order_by, pai
 from jtopoep.topology import Topology
 
 
-def spill_per_expert(loads, placement, target, xp=jnp, home_slot=None, shed_last=None):
+def spill_per_expert(loads: Int[ArrayLike, " E"], placement: Int[ArrayLike, "R H"], target: Int[ArrayLike, "..."],
+                     xp=jnp, home_slot: Int[ArrayLike, " E"] | None = None,
+                     shed_last: Int[ArrayLike, " E"] | None = None) -> Int[ArrayLike, " E"]:
     """[E] pairs above target on each rank, attributed to its home experts hottest first (ties to
     the lower slot). shed_last: [E] pairs of each expert to shed only once every expert of its rank
     has shed the rest (CopyProblem.shed_last), in the same order.
@@ -287,7 +290,8 @@ def _decide(expert, dest, amount, new, held, problem: CopyProblem, shipped: Ship
     return decided[:, 0] > 0, decided[:, 1:]
 
 
-def ship(shipped: Shipped, expert, dest, amount, new, kinds, problem: CopyProblem, gpus_per_node: int) -> Shipped:
+def ship(shipped: Shipped, expert: Int[Array, " P"], dest: Int[Array, " P"], amount: Int[Array, " P"],
+         new: Bool[Array, " P"], kinds: Int[Array, "P 4"], problem: CopyProblem, gpus_per_node: int) -> Shipped:
     """Shipped after the copies (expert onto dest taking amount; zero amounts are not made), whose
     transfers at their homes paying_pieces gave."""
     home = problem.home_rank[jnp.maximum(expert, 0)]

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Int
 
 from jtopoep.ordering import descending_key, key_range, stable_order
@@ -222,7 +223,8 @@ def place(copies: Copies, expert: Int[Array, "R W"], amount: Int[Array, "R W"], 
                        gpus_per_node))
 
 
-def within_nodes(copies: Copies, problem: CopyProblem, placement, gpus_per_node: int):
+def within_nodes(copies: Copies, problem: CopyProblem, placement: Int[Array, "R H"], gpus_per_node: int
+                 ) -> tuple[Int[Array, "R K"], Int[Array, "R K"]]:
     """Proposals [R, K] that keep each node's spill on its own ranks: its experts against its ranks'
     room, both largest first."""
     num_ranks, slots = copies.guests.shape
@@ -277,7 +279,8 @@ def onto_nodes(spill: Int[Array, " E"], room: Int[Array, " R"], gpus_per_node: i
     return item.reshape(-1), amount.reshape(-1), jnp.arange(nodes * width, dtype=jnp.int32).reshape(nodes, width)
 
 
-def onto_demand(copies: Copies, problem: CopyProblem, placement, gpus_per_node: int, least, width: int):
+def onto_demand(copies: Copies, problem: CopyProblem, placement: Int[Array, "R H"], gpus_per_node: int,
+                least: Int[ArrayLike, ""], width: int) -> tuple[Int[Array, "R W"], Int[Array, "R W"]]:
     """Proposals [R, width] that lay each expert's spill onto the nodes whose own sources send it
     pairs no slot there takes yet, up to those pairs, node after node from its home node on: a copy
     there keeps them on their node, so they cross no link. Pieces under `least` pairs are left to
@@ -311,7 +314,8 @@ def onto_demand(copies: Copies, problem: CopyProblem, placement, gpus_per_node: 
                                gpus_per_node, width)
 
 
-def across_nodes(copies: Copies, problem: CopyProblem, placement, pricing: Pricing | None, held, gpus_per_node: int,
+def across_nodes(copies: Copies, problem: CopyProblem, placement: Int[Array, "R H"], pricing: Pricing | None,
+                 held: Int[Array, "R K"] | None, gpus_per_node: int,
                  rounds: int) -> Copies:
     """`rounds` rounds of, decided together and priced at once: top up the room left behind full
     slots; what spills, onto the nodes with most room, then onto each node's ranks with most room
