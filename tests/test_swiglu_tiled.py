@@ -103,3 +103,28 @@ def test_tiled_swiglu_inside_shard_map_matches_composed_gemms(devices):
 
     for g, w in zip(jax.tree.leaves(run("tiled")), jax.tree.leaves(run("xla"))):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.abs(w).max() + 1))
+
+
+def test_guest_slices_add_no_buffer_sized_temporaries(monkeypatch):
+    """XLA's memory analysis of the compiled gradient: with two guest slices the tiled SwiGLU's
+    temporaries stay within one [rows, D] buffer of the home slots' alone (the guest loops write into
+    the home loop's buffers), where three GEMMs a weight set gave every guest GEMM its own."""
+    monkeypatch.setattr(gemm_tiled, "ROW_TILE", 1024)
+    monkeypatch.setattr(gemm_tiled, "WEIGHT_GRADIENT_TILE", 2048)
+    rows, depth, hidden = 4096, 256, 512
+
+    def spec(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+    def weights(experts, width):
+        return ExpertWeights(spec(experts, depth, width), spec(experts, depth, width), spec(experts, width, depth))
+
+    def temporaries(slices, slots):
+        grad = jax.grad(lambda x, h, s, z: (expert_ffn(x, h, s, z, "tiled") ** 2).sum(), argnums=(0, 1, 2))
+        compiled = jax.jit(grad).lower(spec(rows, depth), weights(HOME, hidden), slices,
+                                       jax.ShapeDtypeStruct((slots,), jnp.int32)).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    alone = temporaries(None, HOME)
+    with_guests = temporaries((weights(GUESTS, hidden // 2),) * 2, HOME + GUESTS)
+    assert with_guests - alone < rows * depth * 4, (alone, with_guests)
