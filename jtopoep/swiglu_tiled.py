@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from jtopoep.buffers import zeros_after
 from jtopoep import gemm_tiled
+from jtopoep.buffers import zeros_after
 from jtopoep.guests import ExpertWeights
 from jtopoep.varying import varying_like
 
@@ -39,8 +39,8 @@ def _activation(gate, up):
 
 def _forward_loop(x, weights: ExpertWeights, sizes, first_row, out, saved, column: int, accumulate: bool):
     """out and saved after one loop over the slots `sizes` (their rows from first_row): each owned
-    row's SwiGLU written (or, accumulate, added) into out, its gate and up into saved's columns
-    [column, column + F) and [F_all + column, ...)."""
+    row's SwiGLU written (or, accumulate, added) into out, its gate and up into saved (the whole
+    hidden width's gate, then its up), from `column` of each half: these weights' slice of it."""
     rows = x.shape[0]
     items = gemm_tiled.WorkItems(sizes, rows, gemm_tiled.ROW_TILE, first_row)
     width = weights.gate.shape[2]

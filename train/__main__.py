@@ -98,7 +98,13 @@ def train(args) -> int:
     last = Trainer(config, fresh=args.fresh, peer_timeout=args.peer_timeout, start_timeout=args.connect_timeout).run()
     if jax.process_index() == 0 and last:
         evaluated = f" eval {last['eval_loss']:.4f}" if "eval_loss" in last else ""
-        print(f"done: step {last['step']} loss {last['loss']:.4f}{evaluated} -> {config.train.run_dir}")
+        print(f"done: step {last['step']} loss {last['loss']:.4f}{evaluated} -> {config.train.run_dir}", flush=True)
+    if args.coordinator:
+        # Every process has passed the run's last barrier (Trainer.run): leave JAX's distributed
+        # system together now. Left to interpreter exit, its shutdown barrier runs after the other
+        # exit handlers, which only process 0 has many of (the report's, the checkpointer's), and a
+        # slow exit there has aborted the other process at that barrier's deadline.
+        jax.distributed.shutdown()
     return 0
 
 
