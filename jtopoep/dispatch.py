@@ -116,10 +116,10 @@ def assign_slots(expert_ids: Int[Array, " A"], local_counts: Int[Array, " E"], s
     return jnp.zeros(num_pairs, jnp.int32).at[order].set(dest_sorted.astype(jnp.int32), unique_indices=True)
 
 
-def _swiglu_slots(x, weights: ExpertWeights, group_sizes, gemm: str, first_row=0):
-    gate = grouped_matmul(x, weights.gate, group_sizes, gemm, first_row)
-    up = grouped_matmul(x, weights.up, group_sizes, gemm, first_row)
-    return grouped_matmul(jax.nn.silu(gate) * up, weights.down, group_sizes, gemm, first_row)
+def _swiglu_slots(x, weights: ExpertWeights, group_sizes, gemm: str):
+    gate = grouped_matmul(x, weights.gate, group_sizes, gemm)
+    up = grouped_matmul(x, weights.up, group_sizes, gemm)
+    return grouped_matmul(jax.nn.silu(gate) * up, weights.down, group_sizes, gemm)
 
 
 def expert_ffn(x: Float[Array, "rows D"], home_weights: ExpertWeights,

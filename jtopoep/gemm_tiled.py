@@ -65,6 +65,14 @@ class WorkItems:
         owned = (row >= self.own_start[step]) & (row < self.own_end[step])
         return self.group[step], first_row, owned[:, None]
 
+    def add_to_slot_sum(self, step, part, running, sums):
+        """(running, sums) after adding item `step`'s float32 `part` to its slot's running sum (restarted
+        at the slot's first item) and writing that sum, cast to sums' dtype, into the slot's entry of
+        `sums`: written at every item of the slot, so the last one leaves the slot's whole sum,
+        rounded once."""
+        running = jnp.where(self.new_group[step], part, running + part)
+        return running, jax.lax.dynamic_update_index_in_dim(sums, running.astype(sums.dtype), self.group[step], 0)
+
 
 def _rows_product(a, weights, group_sizes, first_row, contract_weight_axis: int):
     """a[rows of group g] @ weights[g] (contract_weight_axis 1) or @ weights[g].T (axis 2)."""
@@ -91,14 +99,11 @@ def _weight_gradient(x, grad, group_sizes, first_row, weights_dtype):
 
     def step(i, carry):
         running, gradient = carry
-        group, first_row, owned = items.at(i)
+        _, first_row, owned = items.at(i)
         tile_x = jnp.where(owned, jax.lax.dynamic_slice_in_dim(x, first_row, items.tile), 0)
         tile_grad = jnp.where(owned, jax.lax.dynamic_slice_in_dim(grad, first_row, items.tile), 0)
         part = jax.lax.dot_general(tile_x, tile_grad, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        running = jnp.where(items.new_group[i], part, running + part)
-        # Written at every item of the group: the last one leaves the group's whole sum.
-        gradient = jax.lax.dynamic_update_index_in_dim(gradient, running.astype(weights_dtype), group, 0)
-        return running, gradient
+        return items.add_to_slot_sum(i, part, running, gradient)
 
     shape = (x.shape[1], grad.shape[1])
     running = varying_like(zeros_after(grad, shape, jnp.float32), x, grad)

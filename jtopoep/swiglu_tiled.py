@@ -91,10 +91,7 @@ def _backward_loop(x, weights: ExpertWeights, sizes, first_row, saved, grad, gra
         grad_x = jax.lax.dynamic_update_slice_in_dim(grad_x, jnp.where(owned, before + tile_grad_x, before), start, 0)
         parts = (_dot(tile_x, grad_gate, (0, 0)), _dot(tile_x, grad_up, (0, 0)),
                  _dot(jnp.where(owned, activated, 0), tile_grad, (0, 0)))
-        running = tuple(jnp.where(items.new_group[i], p, r + p) for p, r in zip(parts, running))
-        # Written at every item of the slot: the last one leaves the slot's whole sum.
-        grads = tuple(jax.lax.dynamic_update_index_in_dim(g, r.astype(g.dtype), group, 0)
-                      for g, r in zip(grads, running))
+        running, grads = zip(*(items.add_to_slot_sum(i, p, r, g) for p, r, g in zip(parts, running, grads)))
         return grad_x, running, grads
 
     shapes = ((depth, width), (depth, width), (width, grad.shape[1]))
