@@ -19,12 +19,14 @@ from typing import Any
 import yaml
 
 from jtopoep.gemm import GEMMS
+from jtopoep.planners import PLANNERS as PLANNER_CLASSES
+from jtopoep.planners.base import PlannerBase
 from jtopoep.planners.taot import TaotPlanner
 from jtopoep.topology import Topology
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
-PLANNERS = ("none", "eplb", "topoep", "taot")
+PLANNERS = tuple(PLANNER_CLASSES)
 TRANSPORTS = ("auto", "ragged", "dense")
 OVERFLOW = ("drop", "error")
 SCORE_FNS = ("softmax", "sigmoid")
@@ -158,8 +160,8 @@ class MoEConfig:
     hierarchical: bool | str = "auto"
     # A copy must save >= min_gain x its weight-transfer time; 0 (the default, from the planner
     # benchmark's sweep) turns the test off: transfers mostly hide behind home GEMMs.
-    min_gain: float = 0.0
-    price_transfers: bool = True  # refuse copies exposing more transfer time than GEMM time they save
+    min_gain: float = PlannerBase.min_gain
+    price_transfers: bool = PlannerBase.price_transfers  # refuse copies exposing more transfer time than GEMM time they save
     # Receive buffer of each rank (and of each relay of the hierarchical dispatch), in multiples of
     # its own pairs (T * k); the grouped GEMM runs over all of it. A plan that sends a rank more has
     # its last pairs cut (moe.on_overflow). 1.25 holds what topoep and taot plan on the real traces

@@ -26,7 +26,7 @@ from jtopoep.guests import ExpertWeights, GuestCopies, kept_slots
 from jtopoep.homes import coactivation
 from jtopoep.metrics import counts_imbalance, load_imbalance
 from jtopoep.plan import contiguous_placement, plan_fingerprint
-from jtopoep.planners import get_planner
+from jtopoep.planners import PLANNERS, get_planner
 from jtopoep.router import route
 from jtopoep.topology import EP_AXES, Topology
 
@@ -49,11 +49,10 @@ class RoutingAverage(nnx.Variable):
 
 
 def make_planner(moe: MoEConfig, topology: Topology, num_experts: int, dims: ExpertDims):
-    knobs = dict(min_gain=moe.min_gain, dims=dims, price_transfers=moe.price_transfers)
-    if moe.planner == "taot":
-        knobs.update(epsilon=moe.sinkhorn_epsilon, iterations=moe.sinkhorn_iters)
+    """The planner moe.planner names, with the knobs its class takes from the run file."""
+    knobs = {field: getattr(moe, key) for field, key in PLANNERS[moe.planner].config_keys.items()}
     return get_planner(moe.planner, topology=topology, num_experts=num_experts, guest_slots=moe.planned_guest_slots,
-                       **knobs)
+                       dims=dims, **knobs)
 
 
 class MoELayer(nnx.Module):

@@ -94,3 +94,27 @@ def test_mesh_larger_than_device_count(tmp_path):
 def test_missing_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("configs/nope.yaml")
+
+
+def test_planner_knobs_come_from_the_planner_classes():
+    """Each planner's run-file keys are MoEConfig fields with the planner field's default, and the
+    layer builds every planner with them: one source for names and defaults."""
+    import dataclasses
+
+    from jtopoep.config import PLANNERS, MoEConfig
+    from jtopoep.costmodel import ExpertDims
+    from jtopoep.layer import make_planner
+    from jtopoep.planners import PLANNERS as CLASSES
+    from jtopoep.topology import Topology
+
+    assert PLANNERS == tuple(CLASSES)
+    config_defaults = {f.name: f.default for f in dataclasses.fields(MoEConfig)}
+    for name, cls in CLASSES.items():
+        planner_defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        for field, key in cls.config_keys.items():
+            assert config_defaults[key] == planner_defaults[field], (name, field, key)
+        moe = MoEConfig(planner=name, min_gain=0.5, price_transfers=False, sinkhorn_epsilon=2.0, sinkhorn_iters=3)
+        planner = make_planner(moe, Topology(2, 4), 16, ExpertDims(64, 128, 2))
+        assert type(planner) is cls
+        for field, key in cls.config_keys.items():
+            assert getattr(planner, field) == getattr(moe, key), (name, field)

@@ -27,6 +27,9 @@ class PlannerBase:
 
     # Sources feed the slots on their own node first (routing.route_lines); False: in rank order.
     tiered: ClassVar[bool] = True
+    # The knobs a run file sets: {planner field: MoEConfig key}, whose default is the field's
+    # (jtopoep.layer.make_planner reads them, a test checks the defaults).
+    config_keys: ClassVar[dict[str, str]] = {"min_gain": "min_gain", "price_transfers": "price_transfers"}
 
     topology: Topology
     num_experts: int

@@ -22,6 +22,7 @@ cost. Float32 only in Sinkhorn and its floor, computed in the same order on ever
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,9 @@ from jtopoep.planners.sinkhorn import sinkhorn
 
 @dataclasses.dataclass(frozen=True)
 class TaotPlanner(CopyingPlanner):
+    config_keys: ClassVar[dict[str, str]] = {**CopyingPlanner.config_keys, "epsilon": "sinkhorn_epsilon",
+                                             "iterations": "sinkhorn_iters"}
+
     # Sinkhorn regularisation in link-cost units (1 = one NVLink byte); with the two link classes'
     # costs some eight apart it keeps spill on its own node where there is room, and spreads the
     # rest evenly by room.
