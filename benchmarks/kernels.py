@@ -3,7 +3,7 @@
 On a GPU the planners are chains of small dependent kernels, and their latency follows the kernel
 count, not the arithmetic (`benchmarks/results/gpu/`: on one H200 at R = 32, topoep, taot and eplb
 took 1.2-1.7 ms where the `none` planner's call took 0.13). This compiles each planner as the GPU
-runs it (rounds.run_rounds' loop at its full static trip count, not the CPU's early exit, and the
+runs it (rounds.run_rounds' rounds unrolled at their static count, not the CPU's early exit, and the
 pairwise orders of arrays.pairwise_or_sorted, not the CPU's sorts) with
 XLA:CPU, and counts the compiled program's kernels: every instruction of the entry computation
 but parameters, constants, tuples and bitcasts, and each loop's body times its trip count. XLA:GPU
@@ -123,7 +123,7 @@ def planner_kernels(name: str, num_ranks: int, device=None, num_experts: int | N
     else:
         sample = jax.ShapeDtypeStruct(sample.shape, jax.numpy.int32, sharding=jax.sharding.SingleDeviceSharding(device))
     saved = rounds.EARLY_EXIT_PLATFORMS, arrays.SORTED_ORDER_PLATFORMS
-    # Compile the loop and the forms the GPU runs: the full static trip count, the pairwise orders.
+    # Compile the forms the GPU runs: the rounds at their static count, the pairwise orders.
     rounds.EARLY_EXIT_PLATFORMS, arrays.SORTED_ORDER_PLATFORMS = (), ()
     try:
         lowered = jax.jit(in_layer(make(name, topology, num_experts, guest_slots, 0.0))).lower(sample)

@@ -322,7 +322,7 @@ def across_nodes(copies: Copies, problem: CopyProblem, placement: Int[Array, "R 
     (over-shedding into last slots), laid end to end or, where slots are scarce at the start, one
     piece a rank. Each round places what the rounds before left for want of a free slot or of room;
     one with nothing left to place changes nothing, so the loop may stop once no spill is left
-    (run_rounds). A loop of identical rounds, so it compiles once."""
+    (run_rounds: on CPU a loop that stops early, elsewhere the rounds unrolled)."""
     slots = copies.guests.shape[1]
     scarce = slots_are_scarce(copies, problem, placement)
 
@@ -344,7 +344,7 @@ def across_nodes(copies: Copies, problem: CopyProblem, placement: Int[Array, "R 
 
 # Platforms where run_rounds stops early. A data-dependent while loop costs nothing on CPU, but
 # XLA:GPU copies its exit test to the host and blocks on the stream after every iteration: a host
-# sync inside the training step. Elsewhere the loop runs its static trip count.
+# sync inside the training step. Elsewhere the rounds run their static count, unrolled.
 EARLY_EXIT_PLATFORMS: tuple[str, ...] = ("cpu",)
 
 
@@ -356,7 +356,9 @@ def run_rounds(one_round, carry, busy, rounds: int):
                                   (jnp.int32(0), c))[1]
 
     def fixed(c):
-        return jax.lax.fori_loop(0, rounds, lambda _, c: one_round(c), c)
+        # Unrolled: a GPU runs the planner launch-bound, and XLA fuses one round's last kernels
+        # with the next round's first, which a loop body's boundary keeps apart.
+        return jax.lax.fori_loop(0, rounds, lambda _, c: one_round(c), c, unroll=True)
 
     return jax.lax.platform_dependent(carry, default=fixed, **{name: early for name in EARLY_EXIT_PLATFORMS})
 
