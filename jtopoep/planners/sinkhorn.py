@@ -56,7 +56,7 @@ def _safe_lse(x, axis):
 # exp or log (the same iterates in exact arithmetic). Kernel entries this far above float32's
 # smallest normal keep u, v and the plan finite and normal.
 SCALED_KERNEL_MIN = 1e-6
-# Iterations unrolled into one step of the scaled loop (_scaled_sinkhorn).
+# Iterations unrolled into one step of the scaled loop off CPU (_scaled_sinkhorn).
 UNROLL = 16
 
 
@@ -118,8 +118,11 @@ def _scaled_sinkhorn(a, b, kernel: np.ndarray, iterations: int) -> SinkhornOutpu
         u = scale(a_share, a_mass, (kernel * v[None, :]).sum(1))
         return u, scale(b_share, b_mass, (kernel * u[:, None]).sum(0))
 
-    # Unrolled (up to UNROLL iterations a loop step): over the few nodes XLA:GPU then fuses several
-    # iterations' reductions into one kernel, where a loop body ends at least two kernels an iteration.
-    u, v = jax.lax.fori_loop(0, iterations, update, (jnp.zeros_like(a), b_mass.astype(jnp.float32)),
-                             unroll=min(iterations, UNROLL))
+    start = (jnp.zeros_like(a), b_mass.astype(jnp.float32))
+    # XLA:CPU compiles the loop into one kernel. Elsewhere it runs unrolled (up to UNROLL iterations
+    # a loop step): over the few nodes XLA:GPU then fuses several iterations' reductions into one
+    # kernel, where a loop body ends at least two kernels an iteration.
+    u, v = jax.lax.platform_dependent(
+        start, cpu=lambda uv: jax.lax.fori_loop(0, iterations, update, uv),
+        default=lambda uv: jax.lax.fori_loop(0, iterations, update, uv, unroll=min(iterations, UNROLL)))
     return _output(u[:, None] * kernel * v[None, :] * total, a, b)
