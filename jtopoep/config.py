@@ -161,7 +161,8 @@ class MoEConfig:
     # A copy must save >= min_gain x its weight-transfer time; 0 (the default, from the planner
     # benchmark's sweep) turns the test off: transfers mostly hide behind home GEMMs.
     min_gain: float = PlannerBase.min_gain
-    price_transfers: bool = PlannerBase.price_transfers  # refuse copies exposing more transfer time than GEMM time they save
+    # refuse copies exposing more transfer time than GEMM time they save
+    price_transfers: bool = PlannerBase.price_transfers
     # Receive buffer of each rank (and of each relay of the hierarchical dispatch), in multiples of
     # its own pairs (T * k); the grouped GEMM runs over all of it. A plan that sends a rank more has
     # its last pairs cut (moe.on_overflow). 1.25 holds what topoep and taot plan on the real traces
