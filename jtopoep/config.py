@@ -19,9 +19,7 @@ from typing import Any
 import yaml
 
 from jtopoep.gemm import GEMMS
-from jtopoep.planners import PLANNERS as PLANNER_CLASSES
-from jtopoep.planners.base import PlannerBase
-from jtopoep.planners.taot import TaotPlanner
+from jtopoep.planners import PLANNERS as PLANNER_CLASSES, PlannerBase, TaotPlanner
 from jtopoep.topology import Topology
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
