@@ -19,8 +19,9 @@ Constants and their sources:
 - Links: the scale-up and scale-out fabrics are separate hardware and DeepEP drives them concurrently,
   so a rank's exchange time is the slower of its NVLink and RDMA transfers, sending and receiving in
   full duplex; each exchange pays the latency of the slowest link class it uses. The guest fetch's
-  exchanges run one after another (jtopoep.guests: hand-offs, a home's own node, crossings, relays),
-  which this prices as one exchange: optimistic where a rank moves much over both link classes.
+  exchanges run one after another for each slice (jtopoep.guests: hand-offs, a home's own node,
+  crossings, relays), each paying its latency; their bytes are priced as one exchange: optimistic
+  where a rank moves much over both link classes.
 - Compute runs at topology.flops x topology.mfu.
 """
 
@@ -30,7 +31,7 @@ import dataclasses
 
 import numpy as np
 
-from jtopoep.plan import Plan, guest_fetch, home_rank_of_experts
+from jtopoep.plan import Plan, fetch_send_rows, guest_fetch, home_rank_of_experts
 from jtopoep.topology import Topology
 
 EXCHANGES_PER_LAYER = 4  # dispatch + combine, forward + backward
@@ -201,8 +202,23 @@ def slot_forward_seconds(plan: Plan, topology: Topology, dims: ExpertDims, place
     return per_rank_slot[:, :home].sum(1) * per_pair, per_rank_slot[:, home:].sum(1) * per_pair
 
 
+def fetch_latency_seconds(plan: Plan, topology: Topology, placement) -> float:
+    """Latency one slice of the guest fetch pays, each way: its exchanges (plan.fetch_send_rows: up to
+    four, one after another) at the latency of the slowest link class a copy uses; 0 without copies."""
+    placement = np.asarray(placement)
+    guests = np.asarray(plan.slot_expert)[:, placement.shape[1]:]
+    if not (guests >= 0).any():
+        return 0.0
+    gpus = topology.gpus_per_node
+    home_node = home_rank_of_experts(placement, np)[guests[guests >= 0]] // gpus
+    holder_node = np.nonzero(guests >= 0)[0] // gpus
+    latency = topology.inter_latency if (home_node != holder_node).any() else topology.intra_latency
+    exchanges = sum(rows > 0 for rows in fetch_send_rows(topology.num_ranks, placement.shape[1], guests.shape[1], gpus))
+    return exchanges * latency
+
+
 def exposed_weight_seconds(weights_out: np.ndarray, grads_back: np.ndarray, home_fwd: np.ndarray,
-                           guest_fwd: np.ndarray, chunks: int = 1) -> float:
+                           guest_fwd: np.ndarray, chunks: int = 1, slice_latency: float = 0.0) -> float:
     """The guest-weight term from per-rank seconds: weight transfers out, gradient transfers back,
     home-slot and guest-slot forward GEMMs; the most exposed rank of each direction counts.
 
@@ -213,10 +229,16 @@ def exposed_weight_seconds(weights_out: np.ndarray, grads_back: np.ndarray, home
     (twice the forward), and a slice's gradients leave when it is done, after the slices before it on
     the link; the last arrives late by max over j of ((n - j) back - (n - 1 - j) 2 g) / n - 2 home.
     With one chunk these are the whole copy behind the home GEMMs, out - home, and the gradients
-    behind the home backward, back - 2 home."""
+    behind the home backward, back - 2 home. slice_latency (fetch_latency_seconds): what each slice's
+    exchanges add before it lands, on the ranks that move anything or wait for a copy (a kept copy
+    passes through the same exchanges), so slice j lands (j + 1) latencies later, and slice j's
+    gradients n - j later."""
     j = np.arange(chunks, dtype=np.float64)[:, None]
-    forward = (((j + 1) * weights_out - j * guest_fwd) / chunks).max(0) - home_fwd
-    backward = (((chunks - j) * grads_back - (chunks - 1 - j) * 2.0 * guest_fwd) / chunks).max(0) - 2.0 * home_fwd
+    out_latency = np.where((weights_out > 0) | (guest_fwd > 0), slice_latency, 0.0)
+    back_latency = np.where(grads_back > 0, slice_latency, 0.0)
+    forward = (((j + 1) * weights_out - j * guest_fwd) / chunks + (j + 1) * out_latency).max(0) - home_fwd
+    backward = (((chunks - j) * grads_back - (chunks - 1 - j) * 2.0 * guest_fwd) / chunks
+                + (chunks - j) * back_latency).max(0) - 2.0 * home_fwd
     return float(np.maximum(forward, 0.0).max() + np.maximum(backward, 0.0).max())
 
 
@@ -244,7 +266,8 @@ def layer_time(plan: Plan, topology: Topology, dims: ExpertDims, placement,
 
     weights_out, grads_back = guest_copy_seconds(plan, topology, dims, placement, held)
     home_fwd, guest_fwd = slot_forward_seconds(plan, topology, dims, placement)
-    weights = exposed_weight_seconds(weights_out, grads_back, home_fwd, guest_fwd, dims.weight_chunks)
+    weights = exposed_weight_seconds(weights_out, grads_back, home_fwd, guest_fwd, dims.weight_chunks,
+                                     fetch_latency_seconds(plan, topology, placement))
 
     total = gemm + exchange + weights + planning_s
     return {"gemm_s": gemm, "exchange_s": exchange, "weights_s": weights, "planning_s": planning_s,

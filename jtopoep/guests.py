@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from jtopoep.ordering import first_argmax, stable_order
-from jtopoep.plan import guest_fetch, home_rank_of_experts
+from jtopoep.plan import fetch_send_rows, guest_fetch, home_rank_of_experts
 from jtopoep.transport import exchange, exclusive_cumsum
 
 
@@ -98,23 +98,6 @@ def _after(x, previous):
     if jax.default_backend() == "cpu":
         return x, previous
     return jax.lax.optimization_barrier((x, previous))
-
-
-def fetch_send_rows(num_ranks: int, home: int, num_guests: int, gpus_per_node: int) -> tuple[int, int, int, int]:
-    """The most rows one rank sends in each of the fetch's four exchanges (its send buffers, each a
-    [rows, slice of whole experts] array), from plan.guest_fetch's rules:
-    1. a home hands crossings only to its G - 1 peers, at most K staging rows each, and never more
-       than its experts' crossings, H (N - 1);
-    2. a home sends to at most the G K slots of its node;
-    3. a rank sends at most H (N - 1) crossings: a home past its node's share receives no hand-offs,
-       and one within it sends at most the share;
-    4. a receiver passes copies to at most the G K slots of its node."""
-    nodes, all_slots = num_ranks // gpus_per_node, num_ranks * num_guests
-    crossings = home * (nodes - 1)
-    return (min(all_slots, crossings, (gpus_per_node - 1) * num_guests),
-            min(all_slots, gpus_per_node * num_guests),
-            min(all_slots, crossings),
-            min(all_slots, gpus_per_node * num_guests))
 
 
 def _fetch(weights: ExpertWeights, guests, placement, me, skip, move) -> ExpertWeights:

@@ -183,6 +183,23 @@ def _spread_over_links(rank, before, crossing, num_ranks: int, gpus_per_node: in
     return moved, target, j - (free_end.reshape(-1)[target] - free.reshape(-1)[target])
 
 
+def fetch_send_rows(num_ranks: int, home: int, num_guests: int, gpus_per_node: int) -> tuple[int, int, int, int]:
+    """The most rows one rank sends in each of the fetch's four exchanges (its send buffers, each a
+    [rows, slice of whole experts] array), from guest_fetch's rules (jtopoep.guests runs them):
+    1. a home hands crossings only to its G - 1 peers, at most K staging rows each, and never more
+       than its experts' crossings, H (N - 1);
+    2. a home sends to at most the G K slots of its node;
+    3. a rank sends at most H (N - 1) crossings: a home past its node's share receives no hand-offs,
+       and one within it sends at most the share;
+    4. a receiver passes copies to at most the G K slots of its node."""
+    nodes, all_slots = num_ranks // gpus_per_node, num_ranks * num_guests
+    crossings = home * (nodes - 1)
+    return (min(all_slots, crossings, (gpus_per_node - 1) * num_guests),
+            min(all_slots, gpus_per_node * num_guests),
+            min(all_slots, crossings),
+            min(all_slots, gpus_per_node * num_guests))
+
+
 def guest_fetch(guests: Int[ArrayLike, "R K"], placement: Int[ArrayLike, "R H"], gpus_per_node: int,
                 sent: Bool[ArrayLike, "R K"] | None = None, xp=jnp) -> GuestFetch:
     """The fan-out fetch of the guest weights (jtopoep.guests; numpy or jnp, xp), for the slots

@@ -9,9 +9,8 @@ from jax.sharding import PartitionSpec as P
 
 import pytest
 
-from jtopoep.guests import (ExpertWeights, GuestCopies, fetch_guest_weights, fetch_send_rows, join_hidden,
-                            kept_slots)
-from jtopoep.plan import contiguous_placement, guest_fetch
+from jtopoep.guests import ExpertWeights, GuestCopies, fetch_guest_weights, join_hidden, kept_slots
+from jtopoep.plan import contiguous_placement, fetch_send_rows, guest_fetch
 from jtopoep.topology import Topology, make_mesh
 
 R, E, K, D, F = 8, 16, 3, 5, 4
@@ -202,7 +201,7 @@ def test_fan_out_on_random_placements_sends_each_copy_across_once_spread_over_li
             e = guests[d, i]
             if node[home_of[e]] != node[d] and node[src[d, i]] == node[d]:
                 assert src[d, i] == crossings[(e, node[d])][1]
-        # No rank sends more rows in an exchange than its send buffer holds (guests.fetch_send_rows).
+        # No rank sends more rows in an exchange than its send buffer holds (plan.fetch_send_rows).
         bounds = fetch_send_rows(ranks, home, slots, gpus)
         across = node[np.maximum(src, 0)] != node[:, None]
         first_hop = sent & ((src == home_of[np.maximum(guests, 0)]) | across)

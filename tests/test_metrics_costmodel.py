@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jtopoep.costmodel import (ExpertDims, copy_break_even_pairs, exposed_weight_seconds, layer_time,
-                                relay_exchange_seconds_per_rank)
+from jtopoep.costmodel import (ExpertDims, copy_break_even_pairs, exposed_weight_seconds, fetch_latency_seconds,
+                                layer_time, relay_exchange_seconds_per_rank)
 from jtopoep.metrics import counts_imbalance, imbalance, inter_node_pairs, summarize
 from jtopoep.plan import Plan, contiguous_placement, home_plan
 from jtopoep.topology import Topology
@@ -99,18 +99,19 @@ def test_cost_model_all_inter_node_and_exposed_weights():
     t = layer_time(Plan(slot_expert, np.array(plan.route)), TOPO, DIMS, PLACEMENT, planning_s=1e-4)
     assert t["exchange_s"] == pytest.approx(4 * (100 * 2000 / 25e9 + 5e-6))
     weight = 3 * 1000 * 2000 * 2 / 25e9
+    fetch = 4 * 5e-6  # the fetch's four exchanges, one after another, at the scale-out latency
     # Rank 3 has no home work to hide the weights (forward) or the gradients (backward) behind.
-    assert t["weights_s"] == pytest.approx(weight + weight)
+    assert t["weights_s"] == pytest.approx(weight + fetch + weight + fetch)
     assert t["planning_s"] == 1e-4
     assert t["total_s"] == pytest.approx(t["gemm_s"] + t["exchange_s"] + t["weights_s"] + 1e-4)
     # Rank 3 held that copy from the step's previous micro-batch: only its gradients travel.
     held = np.array([[-1], [-1], [-1], [0]])
     kept = layer_time(Plan(slot_expert, np.array(plan.route)), TOPO, DIMS, PLACEMENT, held=held)
-    assert kept["weights_s"] == pytest.approx(weight)
+    assert kept["weights_s"] == pytest.approx(weight + fetch)
     # A held expert on another rank, or another expert held, saves nothing.
     for other in ([[0], [-1], [-1], [-1]], [[-1], [-1], [-1], [1]]):
         t_other = layer_time(Plan(slot_expert, np.array(plan.route)), TOPO, DIMS, PLACEMENT, held=np.array(other))
-        assert t_other["weights_s"] == pytest.approx(weight + weight)
+        assert t_other["weights_s"] == pytest.approx(weight + fetch + weight + fetch)
 
 
 def test_weights_in_slices_hide_behind_the_slices_already_there():
@@ -152,19 +153,52 @@ def test_slice_exposure_is_the_timeline_of_its_docstring():
         assert exposed_weight_seconds(out, back, home, guest, chunks) == pytest.approx(forward + backward, abs=1e-12)
 
 
-def test_layer_time_prices_the_slices_of_its_dims():
-    """A guest copy on rank 1 that takes 30 of expert 0's pairs: in slices, its weights partly hide
-    behind its own guest GEMMs; nothing else changes."""
+def test_each_slice_pays_the_fetch_latency():
+    """One rank, home GEMMs 0.5 s, guest GEMMs 0.4 s, 2 s of weights out and of gradients back, in two
+    slices whose exchanges take 0.1 s each way. Forward: slice 0 lands at 1 + 0.1 and runs to 1.3,
+    slice 1 lands at 2 + 0.2 and runs to 2.4, 1.5 s after home and guest GEMMs would end (1.3 without
+    the latency). Backward: the guest slices' backward ends at 0.4 and 0.8, their gradients land at
+    0.4 + 1.1 and 1.5 + 1.1, 0.8 s after the home backward (1.8; 0.6 without)."""
+    one = [np.array([v]) for v in (2.0, 2.0, 0.5, 0.4)]
+    assert exposed_weight_seconds(*one, chunks=2, slice_latency=0.1) == pytest.approx(1.5 + 0.8)
+    assert exposed_weight_seconds(*one, chunks=2) == pytest.approx(1.3 + 0.6)
+    idle = [np.array([v]) for v in (0.0, 0.0, 1.0, 0.0)]
+    assert exposed_weight_seconds(*idle, chunks=4, slice_latency=0.1) == 0.0
+    # Past some count, finer slices expose more: each pays the latency again.
+    many = [exposed_weight_seconds(*one, chunks=n, slice_latency=0.1) for n in (1, 2, 4, 8)]
+    assert many[-1] > min(many)
+
+
+def test_fetch_latency_is_its_exchanges_at_the_slowest_link_a_copy_uses():
     counts = np.zeros((4, 8), np.int32)
-    counts[0, 0], counts[1, 2] = 60, 1
     plan = plan_of(counts, guest_slots=1)
-    slot_expert, route = np.array(plan.slot_expert), np.array(plan.route)
-    slot_expert[1, 2] = 0
-    route[0, 0, 0], route[0, 1, 2] = 30, 30
-    whole = layer_time(Plan(slot_expert, route), TOPO, DIMS, PLACEMENT)
-    sliced = layer_time(Plan(slot_expert, route), TOPO, dataclasses.replace(DIMS, weight_chunks=4), PLACEMENT)
-    assert 0 < sliced["weights_s"] < whole["weights_s"]
-    assert all(sliced[k] == whole[k] for k in ("gemm_s", "exchange_s", "planning_s"))
+    slot_expert = np.array(plan.slot_expert)
+    assert fetch_latency_seconds(Plan(slot_expert, np.array(plan.route)), TOPO, PLACEMENT) == 0.0
+    slot_expert[1, 2] = 0  # expert 0 (rank 0) on rank 1, its node: NVLink only
+    assert fetch_latency_seconds(Plan(slot_expert, np.array(plan.route)), TOPO, PLACEMENT) == pytest.approx(4 * 1e-6)
+    slot_expert[3, 2] = 0  # and on rank 3, across nodes
+    assert fetch_latency_seconds(Plan(slot_expert, np.array(plan.route)), TOPO, PLACEMENT) == pytest.approx(4 * 5e-6)
+    # One node: no hand-offs and no crossings, two exchanges.
+    one_node = dataclasses.replace(TOPO, num_nodes=1, gpus_per_node=4)
+    slot_expert[3, 2] = -1
+    assert fetch_latency_seconds(Plan(slot_expert, np.array(plan.route)), one_node, PLACEMENT) == pytest.approx(2e-6)
+
+
+def test_layer_time_prices_the_slices_of_its_dims():
+    """A guest copy on rank 1 (expert 0's home node) that takes half of expert 0's pairs: in slices,
+    its weights partly hide behind its own guest GEMMs; nothing else changes. Where the guest GEMMs
+    are too short to hide anything, slices only add the fetch's latency."""
+    for pairs, finer_is_faster in ((60_000, True), (60, False)):
+        counts = np.zeros((4, 8), np.int32)
+        counts[0, 0], counts[1, 2] = pairs, 1
+        plan = plan_of(counts, guest_slots=1)
+        slot_expert, route = np.array(plan.slot_expert), np.array(plan.route)
+        slot_expert[1, 2] = 0
+        route[0, 0, 0], route[0, 1, 2] = pairs // 2, pairs // 2
+        whole = layer_time(Plan(slot_expert, route), TOPO, DIMS, PLACEMENT)
+        sliced = layer_time(Plan(slot_expert, route), TOPO, dataclasses.replace(DIMS, weight_chunks=4), PLACEMENT)
+        assert 0 < sliced["weights_s"] and (sliced["weights_s"] < whole["weights_s"]) == finer_is_faster
+        assert all(sliced[k] == whole[k] for k in ("gemm_s", "exchange_s", "planning_s"))
     with pytest.raises(ValueError, match="weight_chunks = 3 must be a positive divisor of expert_hidden = 2000"):
         dataclasses.replace(DIMS, weight_chunks=3)
 
