@@ -179,9 +179,10 @@ class MoEConfig:
     keep_copies: bool = True
     # Guest weights travel in this many slices of the expert hidden width, and the guest GEMM runs
     # slice by slice, so each slice's GEMM overlaps the next slice's transfer (jtopoep.guests); a
-    # divisor of model.expert_hidden. 2 takes most of what the cost model gives more slices (the
-    # cluster projection's guest-weight term); more means narrower GEMMs and more collectives.
-    guest_weight_chunks: int = 2
+    # divisor of model.expert_hidden. The fetch's send buffers hold one slice of several whole experts:
+    # 4 keeps them small at real shapes (benchmarks.memory); each slice pays the fetch's exchange
+    # latencies again and runs narrower GEMMs (the cluster projection prices the latencies).
+    guest_weight_chunks: int = 4
     # The experts' grouped GEMM (jtopoep.gemm): "xla" (jax.lax.ragged_dot, as XLA lowers it for the
     # backend), "pallas" (megablox on TPU; JAX's Mosaic GPU ragged dot on Hopper GPUs, bfloat16 with
     # d_model and expert_hidden multiples of 128; megablox in interpret mode on CPU, for tests),

@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks import cluster
 from benchmarks.loads import all_families
+from jtopoep.config import MoEConfig
 from jtopoep.plan import check_plan
 from jtopoep.topology import Topology
 
@@ -117,8 +118,9 @@ def test_gpu_check_finds_the_home_gemms_in_the_schedule(devices, gemm):
     per_set = 3 if gemm == "xla" else 1
     assert len(found["home_gemms"]) == per_set and not found["async_starts"]
     assert found["home_gemms_inside_transfer"] is False
-    # The guest weights come in the default two slices, each with its own GEMMs.
-    assert {c: len(v) for c, v in found["slice_gemms"].items()} == {0: per_set, 1: per_set}
+    # The guest weights come in the default slices, each with its own GEMMs.
+    assert {c: len(v) for c, v in found["slice_gemms"].items()} == dict.fromkeys(range(MoEConfig.guest_weight_chunks),
+                                                                                  per_set)
     assert found["slice_gemms_inside_next_transfer"] == {}
 
 
