@@ -19,8 +19,8 @@ step, once fetching every copy and once where a rank that holds a guest copy aga
 previous micro-batch and ships no weights for it (moe.keep_copies; its gradients still go home).
 The DeepSeek-V2-Lite traces hold 3 micro-batches of 32 ranks, so a fourth
 repeats the first (never the one before it).
-Guest weights travel in the layer's default slices of the hidden width (moe.guest_weight_chunks),
-priced by costmodel.exposed_weight_seconds.
+Guest weights travel in the layer's default slices of the hidden width (moe.guest_weight_chunks, as
+the GPU's default tiled GEMM resolves it), priced by costmodel.exposed_weight_seconds.
 Planning latency, at the planner shape each deployment runs (R, the preset's experts as the planner
 sees them, K): for the planners on device (eplb, topoep, taot), the time benchmarks.kernels --target
 h100 projects their kernels add inside a step (the kernels XLA:GPU compiles them to, times the
@@ -47,6 +47,7 @@ from benchmarks.planners import shape_key
 from jtopoep import traces, xla_cpu
 from jtopoep.config import CONFIG_DIR, ModelConfig, MoEConfig, section_from_dict
 from jtopoep.costmodel import ExpertDims, ideal_layer_time, layer_time, migration_seconds
+from jtopoep.gemm import resolve_weight_chunks
 from jtopoep.homes import coactivation, replace_homes
 from jtopoep.plan import home_plan
 from jtopoep.planners import get_planner
@@ -89,8 +90,10 @@ class Deployment:
 
     @property
     def dims(self) -> ExpertDims:
-        return ExpertDims(self.model.d_model, self.model.expert_hidden // self.slices, self.model.element_bytes,
-                          MoEConfig.guest_weight_chunks)
+        hidden = self.model.expert_hidden // self.slices
+        # Guest-weight slices as a GPU runs them: the default GEMM there is tiled.
+        return ExpertDims(self.model.d_model, hidden, self.model.element_bytes,
+                          resolve_weight_chunks(MoEConfig.guest_weight_chunks, "tiled", hidden))
 
     @property
     def padding(self) -> np.ndarray:
@@ -301,9 +304,9 @@ def deployment_latency(latency: dict, model: str, num_ranks: int, guest_slots: i
 
 
 def markdown(results: dict) -> str:
-    lines = ["Projected from the cost model (jtopoep/costmodel.py) on real routing; guest weights in "
-             f"{results['weight_chunks']} slices of the hidden width "
-             "(moe.guest_weight_chunks); planning latency at each deployment's planner shape (R, E as the planner "
+    chunks = ", ".join(f"{m} {c}" for m, c in results["weight_chunks"].items())
+    lines = ["Projected from the cost model (jtopoep/costmodel.py) on real routing; guest weights in slices of the "
+             f"hidden width as the GPU's tiled GEMM takes them by default (moe.guest_weight_chunks: {chunks}); planning latency at each deployment's planner shape (R, E as the planner "
              "sees it, K): on-device planners at the time their XLA:GPU kernels add inside a step, projected per "
              "kernel (benchmarks.kernels --target h100, a line fitted to one H200's planner timings), eplb_host at "
              "its measured host time. Not GPU measurements.", ""]
@@ -404,7 +407,8 @@ def main(argv=None) -> dict:
         settings.append(("K=2, hierarchical dispatch on token-level routing (DeepSeek-V2-Lite only)", base_topology,
                          2, False, {"deepseek-v2-lite": counts}, {}, tokens))
     results = {"topology": args.topology, "tokens_per_gpu": TOKENS_PER_GPU, "min_gain": args.min_gain,
-               "weight_chunks": MoEConfig.guest_weight_chunks,
+               "weight_chunks": {m: Deployment(load_model(m), base_topology.num_ranks).dims.weight_chunks
+                                 for m in models},
                "planning_latency_s": latency, "headline": "K=2", "settings": {}}
     for label, topology, k, keep, micro, knobs, *tokens in settings:
         results["settings"][label] = {m: project(m, topology, k, deployment_latency(latency, m, topology.num_ranks, k),

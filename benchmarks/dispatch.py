@@ -45,6 +45,7 @@ def main(argv=None) -> dict:
 
     from jtopoep.config import MoEConfig
     from jtopoep.dispatch import ExpertWeights, moe_dispatch, receive_rows
+    from jtopoep.gemm import resolve_weight_chunks
     from jtopoep.plan import contiguous_placement
     from jtopoep.planners import get_planner
     from jtopoep.topology import Topology, make_mesh
@@ -75,7 +76,8 @@ def main(argv=None) -> dict:
         def body(x, ids, gates, wg, wu, wd, planner=planner, hierarchical=hierarchical, recv_rows=recv_rows):
             y, stats = moe_dispatch(x, ids, gates, ExpertWeights(wg, wu, wd), placement, planner, backend=backend,
                                     hierarchical=hierarchical, recv_rows=recv_rows,
-                                    weight_chunks=MoEConfig.guest_weight_chunks)
+                                    weight_chunks=resolve_weight_chunks(MoEConfig.guest_weight_chunks, "auto",
+                                                                        wg.shape[-1]))
             return y, stats.dropped[None]
 
         layer = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec, spec))

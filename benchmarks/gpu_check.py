@@ -37,6 +37,7 @@ from benchmarks.loads import synthetic_families
 from benchmarks.planners import in_layer, latency, make
 from jtopoep.config import MoEConfig
 from jtopoep.dispatch import ExpertWeights, moe_dispatch
+from jtopoep.gemm import resolve_weight_chunks
 from jtopoep.plan import contiguous_placement
 from jtopoep.planners import get_planner
 from jtopoep.topology import Topology, make_mesh
@@ -70,8 +71,9 @@ def dispatch_layer(planner, mesh, experts: int, backend: str, hierarchical: bool
     placement = contiguous_placement(planner.topology.num_ranks, experts)
 
     def body(x, ids, gates, wg, wu, wd):
+        chunks = resolve_weight_chunks(MoEConfig.guest_weight_chunks, gemm, wg.shape[-1])
         return moe_dispatch(x, ids, gates, ExpertWeights(wg, wu, wd), placement, planner, backend=backend,
-                            hierarchical=hierarchical, weight_chunks=MoEConfig.guest_weight_chunks, gemm=gemm)[0]
+                            hierarchical=hierarchical, weight_chunks=chunks, gemm=gemm)[0]
 
     return jax.shard_map(body, mesh=mesh, in_specs=(SPEC,) * 6, out_specs=SPEC)
 
@@ -146,7 +148,8 @@ def check_kept_copies(out: dict, backend: str = "ragged") -> None:
             got = join_hidden(fetch_guest_weights(ExpertWeights(wg, wu, wd), guests, placement, me,
                                                   gpus_per_node=topology.gpus_per_node, backend=backend,
                                                   previous=previous,
-                                                  chunks=MoEConfig.guest_weight_chunks))
+                                                  chunks=resolve_weight_chunks(MoEConfig.guest_weight_chunks,
+                                                                               "auto", wg.shape[-1])))
             return jax.lax.psum(sum((g ** 2).sum() for g in got), ("node", "gpu")), got
 
         fn = jax.shard_map(body, mesh=mesh, in_specs=(SPEC,) * 6, out_specs=(P(), ExpertWeights(SPEC, SPEC, SPEC)))

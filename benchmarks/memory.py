@@ -68,6 +68,7 @@ def main(argv=None) -> list[dict]:
 
     from jtopoep import xla_cpu
     from jtopoep.config import CONFIG_DIR, ModelConfig, MoEConfig, TopologyConfig, section_from_dict
+    from jtopoep.gemm import resolve_weight_chunks
 
     topo_cfg = section_from_dict("topology", TopologyConfig,
                                  yaml.safe_load((CONFIG_DIR / "topologies" / f"{args.topology}.yaml").read_text()))
@@ -103,7 +104,8 @@ def main(argv=None) -> list[dict]:
             x = jax.ShapeDtypeStruct((ranks, TOKENS, model.d_model), dtype, sharding=jax.sharding.NamedSharding(
                 mesh, jax.sharding.PartitionSpec(("node", "gpu"))))
             for gemm in gemms:
-                every = [_hopper_chunks(model.expert_hidden, c) if gemm == "pallas" else c
+                every = [_hopper_chunks(model.expert_hidden, c) if gemm == "pallas" and c
+                         else resolve_weight_chunks(c, gemm, model.expert_hidden)
                          for c in args.chunks or [MoEConfig.guest_weight_chunks]]
                 every = list(dict.fromkeys(every))
                 for planner in args.planners:

@@ -29,6 +29,7 @@ from benchmarks.loads import all_families, synthetic_families
 from jtopoep import xla_cpu
 from jtopoep.config import MoEConfig
 from jtopoep.costmodel import ExpertDims, layer_time
+from jtopoep.gemm import resolve_weight_chunks
 from jtopoep.metrics import inter_bytes_floor, summarize
 from jtopoep.planners import eplb_host, get_planner
 from jtopoep.rank_route import planned_route
@@ -36,9 +37,10 @@ from jtopoep.topology import Topology
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 PLANNERS = ("none", "eplb", "topoep", "taot")
-# DeepSeek-V2-Lite expert shapes (configs/models/deepseek-v2-lite.yaml), bf16, guest weights in
-# the default slices.
-DIMS = ExpertDims(d_model=2048, expert_hidden=1408, bytes_per_element=2, weight_chunks=MoEConfig.guest_weight_chunks)
+# DeepSeek-V2-Lite expert shapes (configs/models/deepseek-v2-lite.yaml), bf16, guest weights in the
+# slices a GPU's default (tiled) GEMM takes.
+DIMS = ExpertDims(d_model=2048, expert_hidden=1408, bytes_per_element=2,
+                  weight_chunks=resolve_weight_chunks(MoEConfig.guest_weight_chunks, "tiled", 1408))
 TOKENS_PER_RANK = 4096
 
 

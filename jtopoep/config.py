@@ -179,10 +179,11 @@ class MoEConfig:
     keep_copies: bool = True
     # Guest weights travel in this many slices of the expert hidden width, and the guest GEMM runs
     # slice by slice, so each slice's GEMM overlaps the next slice's transfer (jtopoep.guests); a
-    # divisor of model.expert_hidden. The fetch's send buffers hold one slice of several whole experts:
-    # 4 keeps them small at real shapes (benchmarks.memory); each slice pays the fetch's exchange
-    # latencies again and runs narrower GEMMs (the cluster projection prices the latencies).
-    guest_weight_chunks: int = 4
+    # divisor of model.expert_hidden. The fetch's send buffers hold one slice of several whole experts;
+    # each slice pays the fetch's exchange latencies again and runs narrower GEMMs. 0: by moe.gemm
+    # (jtopoep.gemm.AUTO_WEIGHT_CHUNKS): 4 with tiled, whose loops write every slice into one buffer;
+    # 2 with xla and pallas, which give each slice a buffer-sized output (benchmarks.memory).
+    guest_weight_chunks: int = 0
     # The experts' grouped GEMM (jtopoep.gemm): "xla" (jax.lax.ragged_dot, as XLA lowers it for the
     # backend), "pallas" (megablox on TPU; JAX's Mosaic GPU ragged dot on Hopper GPUs, bfloat16 with
     # d_model and expert_hidden multiples of 128; megablox in interpret mode on CPU, for tests),
@@ -217,8 +218,8 @@ class MoEConfig:
                  "true, false or 'auto' (on when the topology has more than one node)")
         _require(0 <= self.load_decay < 1, "moe.load_decay", self.load_decay, "a value in [0, 1)")
         _non_negative("moe", self, "replace_every", "guest_slots", "max_nodes", "min_gain", "aux_loss_coef", "z_loss_coef",
-                      "bias_update_rate")
-        _positive("moe", self, "sinkhorn_epsilon", "sinkhorn_iters", "guest_weight_chunks")
+                      "bias_update_rate", "guest_weight_chunks")
+        _positive("moe", self, "sinkhorn_epsilon", "sinkhorn_iters")
         _require(self.recv_capacity_factor == 0 or self.recv_capacity_factor >= 1, "moe.recv_capacity_factor",
                  self.recv_capacity_factor, "0 (room for every pair) or a value >= 1 (a rank's own pairs)")
 
@@ -283,8 +284,9 @@ class RunConfig:
 
     def __post_init__(self):
         ranks = self.topology.num_nodes * self.topology.gpus_per_node
-        _require(self.model.expert_hidden % self.moe.guest_weight_chunks == 0, "moe.guest_weight_chunks",
-                 self.moe.guest_weight_chunks, f"a divisor of model.expert_hidden = {self.model.expert_hidden}")
+        _require(self.moe.guest_weight_chunks == 0 or self.model.expert_hidden % self.moe.guest_weight_chunks == 0,
+                 "moe.guest_weight_chunks", self.moe.guest_weight_chunks,
+                 f"0 (by moe.gemm) or a divisor of model.expert_hidden = {self.model.expert_hidden}")
         _require(self.model.num_experts % ranks == 0, "model.num_experts", self.model.num_experts,
                  f"a multiple of num_nodes * gpus_per_node = {ranks} expert-parallel ranks")
         nodes, max_nodes = self.topology.num_nodes, self.moe.max_nodes

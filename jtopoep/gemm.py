@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 GEMMS = ("auto", "xla", "pallas", "tiled")
-_TILE = 128
+_TILE = 128  # jtopoep.gemm_hopper.TILE, which pallas slices of the hidden width must fill
 
 
 def resolve_gemm(gemm: str) -> str:
@@ -36,6 +36,23 @@ def resolve_gemm(gemm: str) -> str:
     if gemm == "auto":
         return {"tpu": "pallas", "gpu": "tiled"}.get(jax.default_backend(), "xla")
     return gemm
+
+
+# Guest-weight slices where moe.guest_weight_chunks is 0 (auto), by grouped GEMM. The tiled loops write
+# every slice into one output buffer, so slices only shrink the fetch's send buffers (one slice of
+# several whole experts each); xla and pallas give each slice a buffer-sized output of its own.
+AUTO_WEIGHT_CHUNKS = {"tiled": 4, "xla": 2, "pallas": 2}
+
+
+def resolve_weight_chunks(chunks: int, gemm: str, expert_hidden: int) -> int:
+    """moe.guest_weight_chunks as the layer runs it: `chunks` where set (> 0); for 0 (auto), the most
+    slices up to AUTO_WEIGHT_CHUNKS[gemm] that divide expert_hidden, and for pallas keep each slice
+    a multiple of its tile (jtopoep.gemm_hopper); 1 where none does."""
+    if chunks:
+        return chunks
+    gemm = resolve_gemm(gemm)
+    return next(c for c in range(AUTO_WEIGHT_CHUNKS[gemm], 0, -1)
+                if expert_hidden % c == 0 and (gemm != "pallas" or (expert_hidden // c) % _TILE == 0 or c == 1))
 
 
 def sweeps_whole_buffer(gemm: str) -> bool:

@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, Real
 from jtopoep.config import MoEConfig
 from jtopoep.costmodel import ExpertDims
 from jtopoep.dispatch import moe_dispatch, receive_rows
+from jtopoep.gemm import resolve_weight_chunks
 from jtopoep.guests import ExpertWeights, GuestCopies, kept_slots
 from jtopoep.homes import coactivation
 from jtopoep.metrics import counts_imbalance, load_imbalance
@@ -62,15 +63,17 @@ class MoELayer(nnx.Module):
         cost model prices transfers with."""
         if num_experts % topology.num_ranks:
             raise ValueError(f"num_experts = {num_experts} must be a multiple of the {topology.num_ranks} ranks")
-        if expert_hidden % moe.guest_weight_chunks:
-            raise ValueError(f"moe.guest_weight_chunks = {moe.guest_weight_chunks} must be a divisor of expert_hidden "
-                             f"= {expert_hidden}")
+        if moe.guest_weight_chunks and expert_hidden % moe.guest_weight_chunks:
+            raise ValueError(f"moe.guest_weight_chunks = {moe.guest_weight_chunks} must be 0 (by moe.gemm) or a divisor "
+                             f"of expert_hidden = {expert_hidden}")
+        # The slices the guest weights travel in (0: by the grouped GEMM this backend runs).
+        self.weight_chunks = resolve_weight_chunks(moe.guest_weight_chunks, moe.gemm, expert_hidden)
         self.moe = moe
         self.dtype = jnp.dtype(dtype)
         self.top_k = top_k
         self.topology = topology
         self.mesh = mesh
-        dims = ExpertDims(d_model, expert_hidden, jnp.dtype(dtype).itemsize, moe.guest_weight_chunks)
+        dims = ExpertDims(d_model, expert_hidden, jnp.dtype(dtype).itemsize, self.weight_chunks)
         self.planner = make_planner(moe, topology, num_experts, dims)
         init = nnx.initializers.normal(stddev=d_model ** -0.5)
         self.router = nnx.Param(init(rngs.params(), (d_model, num_experts)))
@@ -147,7 +150,7 @@ class MoELayer(nnx.Module):
                                     ExpertWeights(w_gate, w_up, w_down), placement, self.planner,
                                     backend=moe.transport, hierarchical=moe.uses_relays(self.topology),
                                     recv_rows=self.recv_rows(tokens.shape[0]), previous=previous,
-                                    weight_chunks=moe.guest_weight_chunks, gemm=moe.gemm)
+                                    weight_chunks=self.weight_chunks, gemm=moe.gemm)
             fingerprint = plan_fingerprint(stats.quotas)
             scalars = {
                 "aux_loss": jax.lax.pmean(routed.aux_loss, batch_axes),

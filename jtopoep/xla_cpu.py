@@ -9,8 +9,9 @@ cores cost more than the work. configure() sets three compile-time options for t
 - `xla_cpu_small_while_loop_byte_threshold` (a backend extra option): XLA compiles a while loop into
   one kernel when the buffers it touches total at most this many bytes. The default, 1 KiB, admits
   none of the planners' loops at R = 32, E = 256 (they touch 64 KiB to 1 MiB); configure() raises it
-  to SMALL_LOOP_BYTES. The pass leaves out loops that contain sorts or scatters, and the planners'
-  loops have none.
+  to SMALL_LOOP_BYTES. The pass leaves out loops that contain a sort (or top_k; scatters and gathers
+  it keeps), so the planners' rounds across nodes, which sort, stay a graph of kernels, and their
+  sort-free loops (Sinkhorn's) become one kernel each.
 - `--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED`: the default scheduler orders a
   program for concurrency; the memory-optimised one reuses buffers, and each reuse is a dependency,
   so fewer kernels are ready at once. topoep's program then starts from 4 ready kernels instead of

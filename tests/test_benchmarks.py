@@ -10,6 +10,7 @@ import pytest
 from benchmarks import cluster
 from benchmarks.loads import all_families
 from jtopoep.config import MoEConfig
+from jtopoep.gemm import resolve_weight_chunks
 from jtopoep.plan import check_plan
 from jtopoep.topology import Topology
 
@@ -118,9 +119,10 @@ def test_gpu_check_finds_the_home_gemms_in_the_schedule(devices, gemm):
     per_set = 3 if gemm == "xla" else 1
     assert len(found["home_gemms"]) == per_set and not found["async_starts"]
     assert found["home_gemms_inside_transfer"] is False
-    # The guest weights come in the default slices, each with its own GEMMs.
-    assert {c: len(v) for c, v in found["slice_gemms"].items()} == dict.fromkeys(range(MoEConfig.guest_weight_chunks),
-                                                                                  per_set)
+    # The guest weights come in the slices the default resolves to for this GEMM, each with its own GEMMs.
+    slices = resolve_weight_chunks(MoEConfig.guest_weight_chunks, gemm, 96)  # gpu_check.layer_inputs: F = 96
+    assert slices == (4 if gemm == "tiled" else 2)
+    assert {c: len(v) for c, v in found["slice_gemms"].items()} == dict.fromkeys(range(slices), per_set)
     assert found["slice_gemms_inside_next_transfer"] == {}
 
 

@@ -405,7 +405,8 @@ def test_layer_refuses_slices_that_do_not_divide_the_hidden_width(devices):
     from jtopoep.layer import MoELayer
 
     topo = Topology.preset("cpu-2x4")
-    with pytest.raises(ValueError, match=r"moe\.guest_weight_chunks = 2 must be a divisor of expert_hidden = 7"):
+    with pytest.raises(ValueError, match=r"moe\.guest_weight_chunks = 2 must be 0 \(by moe\.gemm\) or a divisor of "
+                                         r"expert_hidden = 7"):
         MoELayer(D, E, K_TOP, F, MoEConfig(guest_weight_chunks=2), topo, make_mesh(topo), rngs=nnx.Rngs(0))
 
 

@@ -147,3 +147,19 @@ def _check_inside_shard_map(devices, matmul):
     np.testing.assert_allclose(got_x, want_x, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got_w, want_w, rtol=1e-5, atol=1e-5)
     assert np.count_nonzero(np.asarray(got_x).reshape(ranks, ROWS, DEPTH)[0, int(np.asarray(sizes)[:GROUPS].sum()):]) == 0
+
+
+def test_weight_chunks_resolve_by_gemm():
+    """0 (the default) gives the most slices up to the GEMM's preference that divide F, and for the
+    Hopper kernels fill their tiles; a set count stands."""
+    from jtopoep.gemm import AUTO_WEIGHT_CHUNKS, resolve_weight_chunks
+
+    assert [resolve_weight_chunks(0, g, 2048) for g in ("tiled", "xla", "pallas")] == [4, 2, 2]
+    assert AUTO_WEIGHT_CHUNKS["tiled"] == 4
+    assert resolve_weight_chunks(0, "tiled", 1410) == 3  # 1410 = 2 x 3 x 5 x 47: not a multiple of 4
+    assert resolve_weight_chunks(0, "tiled", 7) == 1
+    assert resolve_weight_chunks(0, "pallas", 1408) == 1  # 1408 = 11 x 128, but 704 is no multiple of 128
+    assert resolve_weight_chunks(0, "pallas", 384) == 1 and resolve_weight_chunks(0, "pallas", 512) == 2
+    assert resolve_weight_chunks(3, "tiled", 1410) == 3 and resolve_weight_chunks(2, "pallas", 1408) == 2
+    with pytest.raises(ValueError, match="unknown grouped GEMM 'cublas'"):
+        resolve_weight_chunks(0, "cublas", 64)
