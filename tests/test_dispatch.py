@@ -410,6 +410,20 @@ def test_layer_refuses_slices_that_do_not_divide_the_hidden_width(devices):
         MoELayer(D, E, K_TOP, F, MoEConfig(guest_weight_chunks=2), topo, make_mesh(topo), rngs=nnx.Rngs(0))
 
 
+def test_layer_takes_the_default_slices_its_gemm_wants(devices):
+    """moe.guest_weight_chunks 0 (the default): 4 slices with tiled, 2 with xla, never one that does not
+    divide the hidden width (7: one slice); the planner's cost model prices the same slices."""
+    from flax import nnx
+
+    from jtopoep.config import MoEConfig
+    from jtopoep.layer import MoELayer
+
+    topo = Topology.preset("cpu-2x4")
+    for gemm, hidden, slices in (("tiled", 8, 4), ("xla", 8, 2), ("tiled", 7, 1)):
+        layer = MoELayer(D, E, K_TOP, hidden, MoEConfig(gemm=gemm), topo, make_mesh(topo), rngs=nnx.Rngs(0))
+        assert layer.weight_chunks == slices and layer.planner.dims.weight_chunks == slices
+
+
 def test_relay_dispatch_lowers_to_ragged_all_to_alls(devices):
     """With the ragged transport nothing is padded: the two stages and their reverses (stage 1 moves
     rows and their local slots), and the guest fetch's four exchanges, are all ragged all-to-alls."""
