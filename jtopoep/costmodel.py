@@ -20,8 +20,8 @@ Constants and their sources:
   so a rank's exchange time is the slower of its NVLink and RDMA transfers, sending and receiving in
   full duplex; each exchange pays the latency of the slowest link class it uses. The guest fetch's
   exchanges run one after another for each slice (jtopoep.guests: hand-offs, a home's own node,
-  crossings, relays), each paying its latency; their bytes are priced as one exchange: optimistic
-  where a rank moves much over both link classes.
+  crossings, relays), each paying its latency (fetch_latency_seconds); their bytes are priced as one
+  exchange: optimistic where a rank moves much over both link classes.
 - Compute runs at topology.flops x topology.mfu.
 """
 
@@ -203,18 +203,20 @@ def slot_forward_seconds(plan: Plan, topology: Topology, dims: ExpertDims, place
 
 
 def fetch_latency_seconds(plan: Plan, topology: Topology, placement) -> float:
-    """Latency one slice of the guest fetch pays, each way: its exchanges (plan.fetch_send_rows: up to
-    four, one after another) at the latency of the slowest link class a copy uses; 0 without copies."""
+    """Latency one slice of the guest fetch pays, each way: its exchanges one after another
+    (plan.fetch_send_rows: hand-offs, a home's own node, crossings, relays; those a topology has), each
+    at the latency of the slowest link class it uses: NVLink, but the crossings' scale-out where a
+    copy crosses nodes; 0 without copies."""
     placement = np.asarray(placement)
     guests = np.asarray(plan.slot_expert)[:, placement.shape[1]:]
     if not (guests >= 0).any():
         return 0.0
     gpus = topology.gpus_per_node
+    hands, local, crossing, relays = fetch_send_rows(topology.num_ranks, placement.shape[1], guests.shape[1], gpus)
     home_node = home_rank_of_experts(placement, np)[guests[guests >= 0]] // gpus
-    holder_node = np.nonzero(guests >= 0)[0] // gpus
-    latency = topology.inter_latency if (home_node != holder_node).any() else topology.intra_latency
-    exchanges = sum(rows > 0 for rows in fetch_send_rows(topology.num_ranks, placement.shape[1], guests.shape[1], gpus))
-    return exchanges * latency
+    crosses = (home_node != np.nonzero(guests >= 0)[0] // gpus).any()
+    over_nvlink = sum(rows > 0 for rows in (hands, local, relays)) + (crossing > 0 and not crosses)
+    return over_nvlink * topology.intra_latency + (topology.inter_latency if crosses else 0.0)
 
 
 def exposed_weight_seconds(weights_out: np.ndarray, grads_back: np.ndarray, home_fwd: np.ndarray,
