@@ -38,12 +38,13 @@ TOKENS = 4096
 
 def _hopper_chunks(expert_hidden: int, chunks: int) -> int:
     """The largest chunk count at most `chunks` whose hidden slices fit the Hopper kernels' tiles."""
+    from jtopoep.gemm import most_slices
     from jtopoep.gemm_hopper import TILE
 
-    fits = [c for c in range(chunks, 0, -1) if expert_hidden % c == 0 and (expert_hidden // c) % TILE == 0]
+    fits = most_slices(chunks, "pallas", expert_hidden)
     if not fits:
         raise ValueError(f"expert_hidden = {expert_hidden} is not a multiple of {TILE}: moe.gemm=pallas refuses it")
-    return fits[0]
+    return fits
 
 
 def main(argv=None) -> list[dict]:

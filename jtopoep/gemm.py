@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 GEMMS = ("auto", "xla", "pallas", "tiled")
-_TILE = 128  # jtopoep.gemm_hopper.TILE, which pallas slices of the hidden width must fill
+_TILE = 128
 
 
 def resolve_gemm(gemm: str) -> str:
@@ -44,15 +44,22 @@ def resolve_gemm(gemm: str) -> str:
 AUTO_WEIGHT_CHUNKS = {"tiled": 4, "xla": 2, "pallas": 2}
 
 
+def most_slices(upto: int, gemm: str, expert_hidden: int) -> int:
+    """The most slices of the hidden width, at most `upto`, that divide expert_hidden and, for pallas,
+    fill the Hopper kernels' tiles (jtopoep.gemm_hopper.TILE); 0 where none does."""
+    from jtopoep.gemm_hopper import TILE
+
+    pallas = resolve_gemm(gemm) == "pallas"
+    return next((c for c in range(upto, 0, -1)
+                 if expert_hidden % c == 0 and (not pallas or (expert_hidden // c) % TILE == 0)), 0)
+
+
 def resolve_weight_chunks(chunks: int, gemm: str, expert_hidden: int) -> int:
-    """moe.guest_weight_chunks as the layer runs it: `chunks` where set (> 0); for 0 (auto), the most
-    slices up to AUTO_WEIGHT_CHUNKS[gemm] that divide expert_hidden, and for pallas keep each slice
-    a multiple of its tile (jtopoep.gemm_hopper); 1 where none does."""
+    """moe.guest_weight_chunks as the layer runs it: `chunks` where set (> 0); for 0 (auto),
+    most_slices up to AUTO_WEIGHT_CHUNKS[gemm], 1 where none fits."""
     if chunks:
         return chunks
-    gemm = resolve_gemm(gemm)
-    return next(c for c in range(AUTO_WEIGHT_CHUNKS[gemm], 0, -1)
-                if expert_hidden % c == 0 and (gemm != "pallas" or (expert_hidden // c) % _TILE == 0 or c == 1))
+    return most_slices(AUTO_WEIGHT_CHUNKS[resolve_gemm(gemm)], gemm, expert_hidden) or 1
 
 
 def sweeps_whole_buffer(gemm: str) -> bool:
