@@ -306,9 +306,10 @@ def deployment_latency(latency: dict, model: str, num_ranks: int, guest_slots: i
 def markdown(results: dict) -> str:
     chunks = ", ".join(f"{m} {c}" for m, c in results["weight_chunks"].items())
     lines = ["Projected from the cost model (jtopoep/costmodel.py) on real routing; guest weights in slices of the "
-             f"hidden width as the GPU's tiled GEMM takes them by default (moe.guest_weight_chunks: {chunks}); planning latency at each deployment's planner shape (R, E as the planner "
-             "sees it, K): on-device planners at the time their XLA:GPU kernels add inside a step, projected per "
-             "kernel (benchmarks.kernels --target h100, a line fitted to one H200's planner timings), eplb_host at "
+             f"hidden width as the GPU's tiled GEMM takes them by default (moe.guest_weight_chunks: {chunks}); "
+             "planning latency at each deployment's planner shape (R, E as the planner sees it, K): on-device "
+             "planners at the time their XLA:GPU kernels add inside a step, projected per kernel "
+             "(benchmarks.kernels --target h100, a line fitted to one H200's planner timings), eplb_host at "
              "its measured host time. Not GPU measurements.", ""]
     for setting, models in results["settings"].items():
         lines.append(f"### {setting}")

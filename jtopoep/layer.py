@@ -64,8 +64,8 @@ class MoELayer(nnx.Module):
         if num_experts % topology.num_ranks:
             raise ValueError(f"num_experts = {num_experts} must be a multiple of the {topology.num_ranks} ranks")
         if moe.guest_weight_chunks and expert_hidden % moe.guest_weight_chunks:
-            raise ValueError(f"moe.guest_weight_chunks = {moe.guest_weight_chunks} must be 0 (by moe.gemm) or a divisor "
-                             f"of expert_hidden = {expert_hidden}")
+            raise ValueError(f"moe.guest_weight_chunks = {moe.guest_weight_chunks} must be 0 (by moe.gemm) or a "
+                             f"divisor of expert_hidden = {expert_hidden}")
         # The slices the guest weights travel in (0: by the grouped GEMM this backend runs).
         self.weight_chunks = resolve_weight_chunks(moe.guest_weight_chunks, moe.gemm, expert_hidden)
         self.moe = moe

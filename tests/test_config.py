@@ -51,7 +51,8 @@ def test_presets_and_overrides(tmp_path):
     ("moe.min_gain=-1.0", r"moe\.min_gain = -1\.0 is not allowed: expected a value >= 0"),
     ("moe.guest_weight_chunks=-1", r"moe\.guest_weight_chunks = -1 is not allowed: expected a value >= 0"),
     ("moe.guest_weight_chunks=5",
-     r"moe\.guest_weight_chunks = 5 is not allowed: expected 0 \(by moe\.gemm\) or a divisor of model\.expert_hidden = 64"),
+     r"moe\.guest_weight_chunks = 5 is not allowed: expected 0 \(by moe\.gemm\) or a divisor of "
+     r"model\.expert_hidden = 64"),
     ("moe.recv_capacity_factor=0.5", r"moe\.recv_capacity_factor = 0\.5 is not allowed: expected 0 \(room for"),
     ("model.top_k=17", r"model\.top_k = 17 is not allowed: expected at most model\.num_experts = 16"),
     ("model.num_experts=12", r"model\.num_experts = 12 is not allowed: expected a multiple of .* = 8"),
