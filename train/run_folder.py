@@ -25,20 +25,23 @@ class RunFolderError(Exception):
     """A run folder that cannot be used as asked: the message says why and what to do instead."""
 
 
-def _is_temporary(name: str) -> bool:
-    return name.startswith(".") and name.endswith(".tmp")  # left by an interrupted write_atomic
+TEMPORARIES = frozenset(f".{name}.tmp" for name in RUN_FILES)  # left by an interrupted write_atomic
 
 
 def foreign_entries(folder: pathlib.Path) -> list[str]:
     """Names in folder that a jtopoep run does not write."""
-    return sorted(p.name for p in folder.iterdir() if p.name not in RUN_FILES and not _is_temporary(p.name))
+    return sorted(p.name for p in folder.iterdir() if p.name not in RUN_FILES | TEMPORARIES)
 
 
 def is_run_folder(folder: pathlib.Path) -> bool:
     """A folder holding the marker (or, written before the marker existed, config.json and
-    checkpoints/) and nothing a run does not write."""
+    checkpoints/) and nothing a run does not write; or only the temporaries of a run killed before
+    its marker landed."""
     if not folder.is_dir() or foreign_entries(folder):
         return False
+    names = {p.name for p in folder.iterdir()}
+    if names and names <= TEMPORARIES:
+        return True
     return (folder / MARKER).is_file() or ((folder / "config.json").is_file() and (folder / "checkpoints").is_dir())
 
 
@@ -71,9 +74,11 @@ def check(folder: pathlib.Path, fresh: bool) -> None:
     if not any(folder.iterdir()) or is_run_folder(folder):
         return
     foreign = foreign_entries(folder)
-    shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+    listed = foreign or sorted(p.name for p in folder.iterdir())
+    shown = ", ".join(listed[:5]) + (", ..." if len(listed) > 5 else "")
+    missing = "" if foreign else f" and no {MARKER} marker"
     action = "--fresh refuses to delete" if fresh else "refusing to write into"
-    raise RunFolderError(f"{action} {key}: it is not a jtopoep run folder (it holds {shown}); "
+    raise RunFolderError(f"{action} {key}: it is not a jtopoep run folder (it holds {shown}{missing}); "
                          f"name a new or empty folder")
 
 

@@ -116,3 +116,26 @@ def test_atomic_writes_leave_the_old_file_or_the_new_one(tmp_path, monkeypatch):
     assert path.read_text() == "old"
     # The temporary left behind does not make the folder look foreign.
     assert (tmp_path / ".config.json.tmp").exists() and run_folder.foreign_entries(tmp_path) == []
+
+
+def test_a_run_killed_while_writing_its_marker_is_still_its_own(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / f".{run_folder.MARKER}.tmp").write_text("jtopoep")  # the kill landed before the rename
+    assert run_folder.is_run_folder(folder)
+    for fresh in (True, False):
+        run_folder.check(folder, fresh)
+    run_folder.prepare(folder)
+    assert (folder / run_folder.MARKER).is_file()
+    # Another program's temporary is not the trainer's: refused, never deleted.
+    (folder / ".notes.tmp").write_text("mine")
+    with pytest.raises(RunFolderError, match=r"not a jtopoep run folder \(it holds .notes.tmp\)"):
+        run_folder.check(folder, fresh=True)
+
+
+def test_run_files_without_the_marker_are_refused_by_name(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(RunFolderError, match=r"it holds metrics.jsonl and no .jtopoep-run marker\)"):
+        run_folder.check(folder, fresh=True)
