@@ -298,12 +298,14 @@ def onto_demand(copies: Copies, problem: CopyProblem, placement: Int[Array, "R H
     # The home slot keeps its own node's pairs first; what it cannot keep of them is demand there too.
     demand = jnp.maximum(problem.node_loads - hosted - jnp.where(at_home, (copies.kept - spill)[None, :], 0), 0)
     # Each expert's nodes in turn from its home node (copies there ship weights over NVLink only),
-    # so hot experts' first remote copies land on different nodes.
-    turn = (home_node[None, :] + jnp.arange(nodes, dtype=jnp.int32)[:, None]) % nodes  # [N, E]
-    in_turn = jnp.take_along_axis(demand, turn, axis=0)
-    piece = jnp.clip(spill[None, :] - exclusive_prefix_sum(in_turn, 0), 0, in_turn)
-    piece = jnp.take_along_axis(piece, (jnp.arange(nodes, dtype=jnp.int32)[:, None] - home_node[None, :]) % nodes,
-                                axis=0)  # back to node order
+    # so hot experts' first remote copies land on different nodes. The demand ahead of node n in
+    # that turn is the prefix sum from the home node h, wrapping round: before[n] - before[h], plus
+    # the whole column where n < h (no [N, E] rotation: a gather of one row per expert).
+    before = exclusive_prefix_sum(demand, 0)  # [N, E]
+    node = jnp.arange(nodes, dtype=jnp.int32)[:, None]
+    ahead = before - before[home_node, jnp.arange(num_experts)][None, :] + jnp.where(
+        node < home_node[None, :], demand.sum(0, dtype=jnp.int32)[None, :], 0)
+    piece = jnp.clip(spill[None, :] - ahead, 0, demand)
     piece = jnp.where(piece >= least, piece, 0)
     # A node has gpus x slots guest slots: only its largest pieces can each get one. float32 keys:
     # XLA:CPU's top_k is a fast kernel for floats only (an int32 one sorts whole rows).
