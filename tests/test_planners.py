@@ -519,3 +519,36 @@ def test_copies_where_the_pairs_come_from_cut_inter_node_bytes_at_the_same_balan
     for a, b in zip(with_round, without):
         assert a["imbalance"] <= a["imbalance_lower_bound"] * 1.001
         assert a["inter_bytes"] < b["inter_bytes"], (a["inter_bytes"], b["inter_bytes"])
+
+
+def test_match_pairs_gives_match_pieces_at_the_chosen_bins():
+    """rounds.match_pairs equals rounds.match at each chosen (row, bin), bins past ordering's key
+    range included (they order as match orders them)."""
+    from jtopoep.planners.rounds import match, match_pairs
+
+    # Two bins past the key range (2**31 // 4), the smaller one in the lower column: match ties them
+    # by column, so it comes first.
+    big = 2 ** 31 // 4
+    args = (jnp.asarray([2 ** 30, 5], jnp.int32), jnp.asarray([[0, 1]], jnp.int32),
+            jnp.asarray([[big + 5, big + 50, 3, 0]], jnp.int32), 2)
+    pairs = jnp.zeros(4, jnp.int32), jnp.arange(4, dtype=jnp.int32)
+    np.testing.assert_array_equal(np.asarray(match_pairs(*args, *pairs)[1]), np.asarray(match(*args)[1])[0])
+    rng = np.random.default_rng(1)
+    for trial in range(30):
+        num_rows, per_row, bins, width = (int(x) for x in (rng.integers(1, 5), rng.integers(1, 6), rng.integers(1, 24),
+                                                           rng.integers(1, 4)))
+        ids = num_rows * per_row
+        size = rng.integers(0, 20, ids) * (rng.random(ids) < 0.8)
+        rows = rng.permutation(ids).reshape(num_rows, per_row)
+        bin_size = rng.integers(0, 20, (num_rows, bins)) * (rng.random((num_rows, bins)) < 0.8)
+        if trial % 3 == 0:  # bins past the key range (2**31 // bins): they tie, by column
+            chosen = rng.choice(bins, min(2, bins), replace=False)
+            bin_size[0, chosen] = (2 ** 31 // bin_size.size + np.array([5, 50]))[:len(chosen)]
+            size[rows[0, 0]] = 2 ** 30
+        pairs = np.divmod(rng.permutation(num_rows * bins)[:max(1, num_rows * bins * 2 // 3)], bins)
+        args = (jnp.asarray(size, jnp.int32), jnp.asarray(rows, jnp.int32), jnp.asarray(bin_size, jnp.int32), width)
+        whole_item, whole_amount = (np.asarray(x) for x in match(*args))
+        item, amount = (np.asarray(x) for x in match_pairs(*args, *(jnp.asarray(p, jnp.int32) for p in pairs)))
+        np.testing.assert_array_equal(amount, whole_amount[pairs])
+        live = amount > 0
+        np.testing.assert_array_equal(item[live], whole_item[pairs][live])

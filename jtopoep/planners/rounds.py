@@ -94,6 +94,32 @@ def match(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Array, 
     return jnp.take_along_axis(line, safe, 1).reshape(index.shape), amount
 
 
+def match_pairs(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Array, "S B"], width: int,
+                pair_row: Int[Array, " P"], pair_bin: Int[Array, " P"]) -> tuple[Int[Array, "P W"], Int[Array, "P W"]]:
+    """match's pieces for the chosen (row, bin) pairs only: where a caller keeps few bins of each
+    row's many (TAOT's flows, a destination's few largest sources), the pieces of all of them would be
+    [S, B, W] gathers for [P, W] kept. Each chosen bin's place on its row's line from comparing it
+    with the row's bins ([P, B] work, no sort of the rows)."""
+    num_items = rows.shape[1]
+    line = _items_largest_first(size, rows)[pair_row]  # [P, n]
+    length = size[line]
+    item_hi = prefix_sum(length, 1)
+    bins = bin_size[pair_row]  # [P, B]
+    mine = jnp.take_along_axis(bins, pair_bin[:, None], 1)  # [P, 1]
+    key = descending_key(bins, key_range(bin_size.size))  # match's order: largest first, ties to the lower column
+    column = jnp.arange(bin_size.shape[1])[None, :]
+    mine_key = jnp.take_along_axis(key, pair_bin[:, None], 1)
+    ahead = (key < mine_key) | ((key == mine_key) & (column < pair_bin[:, None]))
+    bin_lo = jnp.where(ahead, bins, 0).sum(1, keepdims=True)  # [P, 1]
+    first = (item_hi <= bin_lo).sum(1, dtype=jnp.int32, keepdims=True)  # items wholly before it
+    index = first + jnp.arange(width)  # [P, W]
+    safe = jnp.minimum(index, num_items - 1)
+    hi = jnp.take_along_axis(item_hi, safe, 1)
+    lo = hi - jnp.take_along_axis(length, safe, 1)
+    amount = jnp.where(index < num_items, overlap(lo, hi, bin_lo, bin_lo + mine), 0)
+    return jnp.take_along_axis(line, safe, 1), amount
+
+
 def pair_off(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Array, "S B"]
              ) -> tuple[Int[Array, "S B 1"], Int[Array, "S B 1"]]:
     """(item, pairs) for each bin: within each row, the j-th largest bin takes the j-th largest item,
@@ -365,5 +391,5 @@ def run_rounds(one_round, carry, busy, rounds: int):
     return jax.lax.platform_dependent(carry, default=fixed, **{name: early for name in EARLY_EXIT_PLATFORMS})
 
 
-__all__ = ["Copies", "across_nodes", "match", "onto_demand", "onto_nodes", "onto_ranks_of_nodes", "pair_off", "place",
-           "run_rounds", "slots_are_scarce", "within_nodes"]
+__all__ = ["Copies", "across_nodes", "match", "match_pairs", "onto_demand", "onto_nodes", "onto_ranks_of_nodes",
+           "pair_off", "place", "run_rounds", "slots_are_scarce", "within_nodes"]

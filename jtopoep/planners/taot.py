@@ -30,7 +30,7 @@ import numpy as np
 
 from jtopoep.planners.base import CopyingPlanner
 from jtopoep.planners.problem import CopyProblem
-from jtopoep.planners.rounds import Copies, across_nodes, match, onto_ranks_of_nodes, place, within_nodes
+from jtopoep.planners.rounds import Copies, across_nodes, match_pairs, onto_ranks_of_nodes, place, within_nodes
 from jtopoep.planners.topoep import ACROSS_ROUNDS
 from jtopoep.planners.sinkhorn import sinkhorn
 
@@ -72,18 +72,21 @@ class TaotPlanner(CopyingPlanner):
             # average rank's room there would each spend a slot on a sliver. They are left to the
             # rounds across nodes, which place what the rounding leaves.
             flow = jnp.where(flow * gpus >= node_room[None, :], flow, 0)
-            # Each node's experts against its row of flows: pieces [N (from), N (to), G * K].
-            item, amount = match(spill, placement.reshape(nodes, -1), flow, gpus * slots)
-            # [N (to), N (from), G * K]
-            node_pieces = jnp.arange(item.size, dtype=jnp.int32).reshape(item.shape).transpose(1, 0, 2)
             if nodes > gpus:
                 # A flow kept is at least an average rank's room where it lands, so a node takes about G
                 # flows at most: the pieces of its G largest (ties to the lower node), not of all N.
                 _, sources = jax.lax.top_k(flow.T.astype(jnp.float32), gpus)  # [to, G]
-                node_pieces = jnp.take_along_axis(node_pieces, sources[:, :, None], axis=1)
+            else:
+                sources = jnp.broadcast_to(jnp.arange(nodes, dtype=jnp.int32), (nodes, nodes))
+            # Each source node's experts against its row of flows, laid end to end (rounds.match), for
+            # the flows each node takes: pieces [to, from, G * K].
+            to = jnp.broadcast_to(jnp.arange(nodes, dtype=jnp.int32)[:, None], sources.shape)
+            item, amount = match_pairs(spill, placement.reshape(nodes, -1), flow, gpus * slots, sources.reshape(-1),
+                                       to.reshape(-1))
+            node_pieces = jnp.arange(item.size, dtype=jnp.int32).reshape(nodes, -1)
             # One piece a rank: laid end to end, the flows' whole-expert pieces would be cut into slivers at
             # the ranks' edges, which take the slots the rounds across nodes need.
-            proposals = onto_ranks_of_nodes(item.reshape(-1), amount.reshape(-1), node_pieces.reshape(nodes, -1), room,
-                                            gpus, slots, paired=True)
+            proposals = onto_ranks_of_nodes(item.reshape(-1), amount.reshape(-1), node_pieces, room, gpus, slots,
+                                            paired=True)
             copies = place(copies, *proposals, problem, placement, pricing, held, gpus, overshed=True)
         return across_nodes(copies, problem, placement, pricing, held, gpus, ACROSS_ROUNDS)
