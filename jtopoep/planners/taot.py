@@ -10,8 +10,8 @@
 3. rounding: each node's spilling experts (largest first) are laid against its row of floor(F)
    (largest first), so every flow a node takes (its G largest) is cut into pieces of whole experts
    (rounds.match_pairs), and each node's pieces against its ranks' room, one piece a rank
-   (rounds.pair_off); then topoep's
-   rounds across nodes place what the rounding left (rounds.across_nodes);
+   (rounds.pair_off); then topoep's rounds across nodes place what the rounding left
+   (rounds.across_nodes);
 4. every round prices its copies at once (problem.paying_pieces), and tokens follow the
    locality-tiered routing (routing.plan_from_quotas).
 
