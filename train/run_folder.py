@@ -26,20 +26,23 @@ class RunFolderError(Exception):
 
 
 TEMPORARIES = frozenset(f".{name}.tmp" for name in RUN_FILES)  # left by an interrupted write_atomic
+WRITTEN_BY_A_RUN = RUN_FILES | TEMPORARIES
 
 
 def foreign_entries(folder: pathlib.Path) -> list[str]:
     """Names in folder that a jtopoep run does not write."""
-    return sorted(p.name for p in folder.iterdir() if p.name not in RUN_FILES | TEMPORARIES)
+    return sorted(p.name for p in folder.iterdir() if p.name not in WRITTEN_BY_A_RUN)
 
 
 def is_run_folder(folder: pathlib.Path) -> bool:
     """A folder holding the marker (or, written before the marker existed, config.json and
     checkpoints/) and nothing a run does not write; or only the temporaries of a run killed before
     its marker landed."""
-    if not folder.is_dir() or foreign_entries(folder):
+    if not folder.is_dir():
         return False
     names = {p.name for p in folder.iterdir()}
+    if not names <= WRITTEN_BY_A_RUN:
+        return False
     if names and names <= TEMPORARIES:
         return True
     return (folder / MARKER).is_file() or ((folder / "config.json").is_file() and (folder / "checkpoints").is_dir())

@@ -71,7 +71,7 @@ def match(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Array, 
     One sort of each row's packed keys, a prefix sum along rows, and each bin's place on the line:
     where a row's bins are few (a node's ranks), from comparing them all; where they are many (the
     nodes, at scale), from a sort of the row and a binary search, whose work grows as B log B, not B^2."""
-    (num_rows, num_items), num_bins = rows.shape, bin_size.shape[1]
+    num_bins = bin_size.shape[1]
     line = _items_largest_first(size, rows)
     length = size[line]
     item_hi = prefix_sum(length, 1)
@@ -85,12 +85,21 @@ def match(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Array, 
         bin_lo = jnp.take_along_axis(before, place, 1)
         first = jax.vmap(functools.partial(jnp.searchsorted, side="right", method="scan_unrolled"))(
             item_hi, bin_lo).astype(jnp.int32)
-    bin_hi = bin_lo + bin_size
+    return _pieces(line, length, item_hi, first, bin_lo, bin_size, width)
+
+
+def _pieces(line: Int[Array, "S n"], length: Int[Array, "S n"], item_hi: Int[Array, "S n"], first: Int[Array, "S B"],
+            bin_lo: Int[Array, "S B"], bin_size: Int[Array, "S B"], width: int
+            ) -> tuple[Int[Array, "S B W"], Int[Array, "S B W"]]:
+    """(item, pairs) of the `width` items from each bin's first overlapping one on its row's line
+    (items laid end to end: `line`, their lengths and where each ends), by how much each overlaps
+    the bin [bin_lo, bin_lo + bin_size); 0 past the row's items."""
+    num_rows, num_items = line.shape
     index = first[:, :, None] + jnp.arange(width)  # [S, B, W]
     safe = jnp.minimum(index, num_items - 1).reshape(num_rows, -1)
     hi = jnp.take_along_axis(item_hi, safe, 1).reshape(index.shape)
     lo = hi - jnp.take_along_axis(length, safe, 1).reshape(index.shape)
-    amount = jnp.where(index < num_items, overlap(lo, hi, bin_lo[:, :, None], bin_hi[:, :, None]), 0)
+    amount = jnp.where(index < num_items, overlap(lo, hi, bin_lo[:, :, None], (bin_lo + bin_size)[:, :, None]), 0)
     return jnp.take_along_axis(line, safe, 1).reshape(index.shape), amount
 
 
@@ -100,7 +109,6 @@ def match_pairs(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[A
     row's many (TAOT's flows, a destination's few largest sources), the pieces of all of them would be
     [S, B, W] gathers for [P, W] kept. Each chosen bin's place on its row's line from comparing it
     with the row's bins ([P, B] work, no sort of the rows)."""
-    num_items = rows.shape[1]
     line = _items_largest_first(size, rows)[pair_row]  # [P, n]
     length = size[line]
     item_hi = prefix_sum(length, 1)
@@ -112,12 +120,8 @@ def match_pairs(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[A
     ahead = (key < mine_key) | ((key == mine_key) & (column < pair_bin[:, None]))
     bin_lo = jnp.where(ahead, bins, 0).sum(1, keepdims=True)  # [P, 1]
     first = (item_hi <= bin_lo).sum(1, dtype=jnp.int32, keepdims=True)  # items wholly before it
-    index = first + jnp.arange(width)  # [P, W]
-    safe = jnp.minimum(index, num_items - 1)
-    hi = jnp.take_along_axis(item_hi, safe, 1)
-    lo = hi - jnp.take_along_axis(length, safe, 1)
-    amount = jnp.where(index < num_items, overlap(lo, hi, bin_lo, bin_lo + mine), 0)
-    return jnp.take_along_axis(line, safe, 1), amount
+    item, amount = _pieces(line, length, item_hi, first, bin_lo, mine, width)  # one bin a row: [P, 1, W]
+    return item[:, 0], amount[:, 0]
 
 
 def pair_off(size: Int[Array, " I"], rows: Int[Array, "S n"], bin_size: Int[Array, "S B"]
